@@ -1,0 +1,231 @@
+"""Command line of the build tool (``python -m distbuild``; the Makefile wraps it)."""
+from __future__ import annotations
+
+import argparse
+import difflib
+import subprocess
+import sys
+from pathlib import Path
+
+from . import export as export_step
+from . import health as health_step
+from . import manifest as manifest_step
+from . import pins as pins_step
+from .errors import DistBuildError
+from .fetch import fetch
+from .gitrepo import PRISTINE_REF, Repo
+from .index import IndexClient, IndexConfig
+from .paths import Layout
+from .prepare import prepare
+from .series import check_headers, load_series
+
+
+def _client() -> IndexClient:
+    return IndexClient(IndexConfig.from_pip())
+
+
+def _selected_upstreams(pins: list[pins_step.Pin], names: list[str]) -> list[str]:
+    for name in names:
+        pins_step.upstream_pin(pins, name)
+    return names or pins_step.upstream_names(pins)
+
+
+def cmd_sources(args: argparse.Namespace, layout: Layout) -> int:
+    pins = pins_step.load(layout.pins_file)
+    for upstream in _selected_upstreams(pins, args.upstreams):
+        fetch(pins_step.upstream_pin(pins, upstream), layout.cache, _client)
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace, layout: Layout) -> int:
+    pins = [p for p in pins_step.load(layout.pins_file) if args.role == "all" or p.role == args.role]
+    for pin in pins:
+        fetch(pin, layout.cache, _client)
+    return 0
+
+
+def cmd_patched(args: argparse.Namespace, layout: Layout) -> int:
+    pins = pins_step.load(layout.pins_file)
+    upstreams = _selected_upstreams(pins, args.upstreams)
+    series = {u: load_series(layout.series_dir(u)) for u in pins_step.upstream_names(pins)}
+    for upstream in upstreams:
+        pin = pins_step.upstream_pin(pins, upstream)
+        sdist = fetch(pin, layout.cache, _client)
+        result = prepare(upstream, pin, sdist, series[upstream], layout.src, force=args.force)
+        state = "prepared" if result.changed else "unchanged"
+        print(f"{state:9} work/src/{upstream}: {len(result.patches)} patch(es)")
+        print(f"          pristine tree {result.pristine_tree}")
+        print(f"          patched  tree {result.patched_tree}")
+    _write_manifest(layout, pins, series)
+    return 0
+
+
+def _write_manifest(layout: Layout, pins: list[pins_step.Pin], series: dict) -> None:
+    data = manifest_step.build(pins, series, layout.src, manifest_step.read(layout.manifest))
+    changed = manifest_step.write(layout.manifest, data)
+    print(f"{'wrote' if changed else 'unchanged':9} {layout.manifest}")
+
+
+def cmd_manifest(args: argparse.Namespace, layout: Layout) -> int:
+    pins = pins_step.load(layout.pins_file)
+    series = {u: load_series(layout.series_dir(u)) for u in pins_step.upstream_names(pins)}
+    _write_manifest(layout, pins, series)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, layout: Layout) -> int:
+    pins = pins_step.load(layout.pins_file)
+    pins_step.upstream_pin(pins, args.upstream)
+    result = export_step.export(args.upstream, layout.tree(args.upstream), layout.series_dir(args.upstream))
+    print(f"export {args.upstream}: {len(result.written)} written, {len(result.unchanged)} unchanged, "
+          f"{len(result.removed)} removed")
+    return 0
+
+
+def cmd_health(args: argparse.Namespace, layout: Layout) -> int:
+    pins = pins_step.load(layout.pins_file)
+    name, _ = health_step.parse_spec(args.spec)
+    upstream = args.upstream
+    if upstream is None:
+        matches = [p.upstream for p in pins if p.upstream and pins_step.normalize_name(p.name) == pins_step.normalize_name(name)]
+        if not matches:
+            raise DistBuildError(f"{name}: not an upstream of this distribution; pass --upstream")
+        upstream = matches[0]
+    patches = load_series(layout.series_dir(upstream))
+    report = health_step.health(args.spec, patches, layout.cache, _client())
+    print(health_step.format_report(args.spec, report))
+    return 1 if args.strict and any(r.status == "conflicts" for r in report) else 0
+
+
+def cmd_lint(args: argparse.Namespace, layout: Layout) -> int:
+    pins = pins_step.load(layout.pins_file)
+    problems = []
+    for upstream in pins_step.upstream_names(pins):
+        for patch in load_series(layout.series_dir(upstream)):
+            problems.extend(check_headers(patch))
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    print(f"lint: {len(pins)} pins, {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+def cmd_pin(args: argparse.Namespace, layout: Layout) -> int:
+    pins = pins_step.load(layout.pins_file) if layout.pins_file.exists() else []
+    client = _client()
+    updated = list(pins)
+    if args.refresh:
+        for i, pin in enumerate(pins):
+            remote = client.find(pin.name, pin.filename)
+            updated[i] = pins_step.Pin(pin.name, pin.version, pin.kind, pin.role, pin.filename,
+                                       remote.sha256 or pin.sha256, remote.size or pin.size, pin.upstream)
+    else:
+        if not args.spec or not args.file:
+            raise DistBuildError("pin: give NAME==VERSION and --file FILENAME (or --refresh)")
+        name, version = health_step.parse_spec(args.spec)
+        remote = client.find(name, args.file)
+        if not remote.sha256 or not remote.size:
+            raise DistBuildError(f"{args.file}: the index gives no sha256 or size; cannot pin it")
+        kind = "sdist" if args.file.endswith((".tar.gz", ".zip")) else "wheel"
+        new = pins_step.Pin(name, version, kind, args.role, args.file, remote.sha256, remote.size,
+                            args.upstream if args.role == "upstream" else None)
+        updated = [p for p in pins if not (pins_step.normalize_name(p.name) == pins_step.normalize_name(name)
+                                           and p.role == new.role and _same_slot(p, new))] + [new]
+    before, after = pins_step.dumps(pins), pins_step.dumps(updated)
+    diff = "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), "pins.toml (locked)", "pins.toml (index)"))
+    if not diff:
+        print("pins: no change")
+        return 0
+    print(diff, end="")
+    if not args.write:
+        print("pins: not written (rerun with --write, WRITE=1 in make, to accept this diff)")
+        return 1 if args.refresh else 0
+    pins_step.save(layout.pins_file, updated)
+    print(f"pins: wrote {layout.pins_file}")
+    return 0
+
+
+def _same_slot(old: pins_step.Pin, new: pins_step.Pin) -> bool:
+    """A new pin replaces the old one of the same project, role and platform tag."""
+    if old.kind != new.kind:
+        return False
+    if old.kind == "sdist":
+        return True
+    return old.filename.split("-")[2:] == new.filename.split("-")[2:]
+
+
+def cmd_pristine_tree(args: argparse.Namespace, layout: Layout) -> int:
+    repo = Repo(layout.tree(args.upstream))
+    pristine = repo.ref(PRISTINE_REF) if repo.is_repo() else None
+    if pristine is None:
+        raise DistBuildError(f"{repo.path}: not prepared; run `make patched` first")
+    dest = Path(args.dest)
+    if dest.exists():
+        raise DistBuildError(f"{dest}: already exists")
+    dest.mkdir(parents=True)
+    archive = repo.git("archive", "--format=tar", pristine).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    print(repo.tree(pristine))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distbuild", description=__doc__)
+    p.add_argument("--work", help="output folder (default: work/ in the repository, or $DIST_WORK)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("sources", help="fetch the pinned upstream sdists into work/cache")
+    s.add_argument("upstreams", nargs="*")
+    s.set_defaults(func=cmd_sources)
+
+    s = sub.add_parser("fetch", help="fetch pinned artifacts of one role")
+    s.add_argument("--role", choices=(*pins_step.ROLES, "all"), default="all")
+    s.set_defaults(func=cmd_fetch)
+
+    s = sub.add_parser("patched", help="pristine + patched trees in work/src, and the manifest")
+    s.add_argument("upstreams", nargs="*")
+    s.add_argument("--force", action="store_true", help="discard uncommitted or unexported work in work/src")
+    s.set_defaults(func=cmd_patched)
+
+    s = sub.add_parser("export", help="regenerate patches/<upstream> from work/src/<upstream>")
+    s.add_argument("upstream")
+    s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("health", help="try the series against another upstream release")
+    s.add_argument("spec", help="NAME==VERSION, e.g. lmcache==0.5.6")
+    s.add_argument("--upstream", help="series to try (default: the upstream pinned under NAME)")
+    s.add_argument("--strict", action="store_true", help="exit 1 when a patch conflicts")
+    s.set_defaults(func=cmd_health)
+
+    s = sub.add_parser("manifest", help="rewrite work/manifest.json")
+    s.set_defaults(func=cmd_manifest)
+
+    s = sub.add_parser("lint", help="check the lock file and the series' headers")
+    s.set_defaults(func=cmd_lint)
+
+    s = sub.add_parser("pin", help="add or refresh pins from the index; prints the diff")
+    s.add_argument("spec", nargs="?", help="NAME==VERSION")
+    s.add_argument("--file", help="exact file name on the index")
+    s.add_argument("--role", choices=pins_step.ROLES, default="image")
+    s.add_argument("--upstream", help="tree name for role upstream")
+    s.add_argument("--refresh", action="store_true", help="re-read every pinned file's hash from the index")
+    s.add_argument("--write", action="store_true", help="write the new lock file")
+    s.set_defaults(func=cmd_pin)
+
+    s = sub.add_parser("pristine-tree", help="write the pristine tree of an upstream into DEST")
+    s.add_argument("upstream")
+    s.add_argument("dest")
+    s.set_defaults(func=cmd_pristine_tree)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    layout = Layout.default(args.work)
+    try:
+        return args.func(args, layout)
+    except DistBuildError as exc:
+        print(f"distbuild: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("distbuild: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,51 @@
+"""Where the tool reads inputs and writes outputs.
+
+Inputs live in the repository (``build/pins.toml``, ``patches/``); every output
+goes under one work folder (``work/`` by default, ``DIST_WORK`` or ``--work``
+to move it).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Layout:
+    repo: Path
+    work: Path
+
+    @classmethod
+    def default(cls, work: str | os.PathLike[str] | None = None, repo: Path | None = None) -> "Layout":
+        repo = repo or REPO_ROOT
+        chosen = work or os.environ.get("DIST_WORK") or repo / "work"
+        return cls(repo=repo, work=Path(chosen).resolve())
+
+    @property
+    def pins_file(self) -> Path:
+        return self.repo / "build" / "pins.toml"
+
+    @property
+    def patches(self) -> Path:
+        return self.repo / "patches"
+
+    @property
+    def cache(self) -> Path:
+        return self.work / "cache"
+
+    @property
+    def src(self) -> Path:
+        return self.work / "src"
+
+    @property
+    def manifest(self) -> Path:
+        return self.work / "manifest.json"
+
+    def series_dir(self, upstream: str) -> Path:
+        return self.patches / upstream
+
+    def tree(self, upstream: str) -> Path:
+        return self.src / upstream
