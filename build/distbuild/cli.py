@@ -171,6 +171,7 @@ def cmd_pristine_tree(args: argparse.Namespace, layout: Layout) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distbuild", description=__doc__)
     p.add_argument("--work", help="output folder (default: work/ in the repository, or $DIST_WORK)")
+    p.add_argument("--repo", type=Path, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("sources", help="fetch the pinned upstream sdists into work/cache")
@@ -220,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    layout = Layout.default(args.work)
+    layout = Layout.default(args.work, repo=args.repo)
     try:
         return args.func(args, layout)
     except DistBuildError as exc:

@@ -79,7 +79,7 @@ class Repo:
         self.git("update-ref", name, rev)
 
     def dirty(self) -> list[str]:
-        status = self.out("status", "--porcelain", "--untracked-files=all", "--ignored=no")
+        status = self.out("--no-optional-locks", "status", "--porcelain", "--untracked-files=all", "--ignored=no")
         return [line for line in status.splitlines() if line.strip()]
 
     def is_repo(self) -> bool:

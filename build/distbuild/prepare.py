@@ -112,6 +112,26 @@ def check_existing(upstream: str, dest: Path, force: bool) -> None:
         )
 
 
+STAMP = "dist-stamp"
+
+
+def stamp_of(pin: Pin, patches: list[Patch]) -> str:
+    """What a prepared tree was made from: the sdist hash and every patch's hash, in order."""
+    return "\n".join([pin.sha256, *(f"{p.name} {p.sha256}" for p in patches)]) + "\n"
+
+
+def up_to_date(dest: Path, stamp: str) -> bool:
+    repo = Repo(dest)
+    stamp_file = dest / ".git" / STAMP
+    return (
+        repo.is_repo()
+        and stamp_file.is_file()
+        and stamp_file.read_text() == stamp
+        and repo.ref("HEAD") == repo.ref(PREPARED_REF)
+        and not repo.dirty()
+    )
+
+
 def prepare(upstream: str, pin: Pin, sdist: Path, patches: list[Patch], src_root: Path, force: bool = False,
             log: Callable[[str], None] = print) -> PreparedTree:
     dest = src_root / upstream
@@ -120,6 +140,11 @@ def prepare(upstream: str, pin: Pin, sdist: Path, patches: list[Patch], src_root
         log(f"removing {stale} left by an interrupted run")
         shutil.rmtree(stale, ignore_errors=True)
     check_existing(upstream, dest, force)
+    stamp = stamp_of(pin, patches)
+    if dest.exists() and up_to_date(dest, stamp):
+        repo = Repo(dest)
+        pristine, head = repo.ref(PRISTINE_REF), repo.head()
+        return PreparedTree(upstream, dest, pristine, repo.tree(pristine), head, repo.tree(head), patches, False)
     staging = src_root / f".{upstream}.new-{os.getpid()}"
     try:
         repo = build_tree(upstream, sdist, pin, patches, staging)
@@ -135,6 +160,7 @@ def prepare(upstream: str, pin: Pin, sdist: Path, patches: list[Patch], src_root
                 shutil.rmtree(old)
             else:
                 staging.rename(dest)
+        (dest / ".git" / STAMP).write_text(stamp)
         result = PreparedTree(upstream, dest, pristine, pristine_tree, head, patched_tree, patches, changed)
     finally:
         if staging.exists():
