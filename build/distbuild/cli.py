@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -161,11 +161,44 @@ def cmd_pristine_tree(args: argparse.Namespace, layout: Layout) -> int:
     dest = Path(args.dest)
     if dest.exists():
         raise DistBuildError(f"{dest}: already exists")
-    dest.mkdir(parents=True)
-    archive = repo.git("archive", "--format=tar", pristine).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    repo.extract(pristine, dest)
     print(repo.tree(pristine))
     return 0
+
+
+def _test_environments(layout: Layout) -> tuple[dict[str, Path], list]:
+    from . import testenv
+
+    pins = pins_step.load(layout.pins_file)
+    series = {u: load_series(layout.series_dir(u)) for u in pins_step.upstream_names(pins)}
+    for upstream in pins_step.upstream_names(pins):
+        pin = pins_step.upstream_pin(pins, upstream)
+        sdist = fetch(pin, layout.cache, _client)
+        prepare(upstream, pin, sdist, series[upstream], layout.src)
+    _write_manifest(layout, pins, series)
+    lmcache = pins_step.upstream_pin(pins, "lmcache")
+    variants = testenv.variants(layout.work, lmcache.version, manifest_step.series_hash(series["lmcache"]))
+    logs = layout.work / "logs"
+    pythons = {v.name: testenv.install(v, layout.wheels, logs) for v in variants}
+    return pythons, variants
+
+
+def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
+    from . import testrun
+
+    pythons, _ = _test_environments(layout)
+    return testrun.run_all(layout.repo, layout.work, pythons, layout.tree("lmcache"), args.pytest_args)
+
+
+def cmd_peer_record(args: argparse.Namespace, layout: Layout) -> int:
+    from . import testrun
+
+    pythons, _ = _test_environments(layout)
+    pristine_src = layout.work / "pristine-src" / "lmcache"
+    repo = Repo(layout.tree("lmcache"))
+    shutil.rmtree(pristine_src, ignore_errors=True)
+    repo.extract(PRISTINE_REF, pristine_src)
+    return testrun.record_peer(layout.repo, layout.work, pythons["pristine"], pristine_src)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -211,6 +244,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--refresh", action="store_true", help="re-read every pinned file's hash from the index")
     s.add_argument("--write", action="store_true", help="write the new lock file")
     s.set_defaults(func=cmd_pin)
+
+    s = sub.add_parser("test", help="build both CPU test venvs and run the three test phases")
+    s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+    s.set_defaults(func=cmd_test)
+
+    s = sub.add_parser("peer-record", help="record which LMCache CPU tests pass on the pristine build")
+    s.set_defaults(func=cmd_peer_record)
 
     s = sub.add_parser("pristine-tree", help="write the pristine tree of an upstream into DEST")
     s.add_argument("upstream")

@@ -84,3 +84,9 @@ class Repo:
 
     def is_repo(self) -> bool:
         return (self.path / ".git").exists()
+
+    def extract(self, rev: str, dest: Path) -> None:
+        """Write the files of ``rev`` (a commit or tree) into ``dest`` (no .git)."""
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = self.git("archive", "--format=tar", rev).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)

@@ -2,7 +2,8 @@
 
 Inputs live in the repository (``build/pins.toml``, ``patches/``); every output
 goes under one work folder (``work/`` by default, ``DIST_WORK`` or ``--work``
-to move it).
+to move it). ``DIST_CACHE_DIR``, when set, holds the verified downloads and the
+tree-hash-keyed wheels instead, so clean checkouts on one machine share them.
 """
 from __future__ import annotations
 
@@ -33,8 +34,19 @@ class Layout:
         return self.repo / "patches"
 
     @property
+    def shared_cache(self) -> Path | None:
+        """``DIST_CACHE_DIR``: downloads and wheels kept across clean checkouts (CI)."""
+        chosen = os.environ.get("DIST_CACHE_DIR")
+        return Path(chosen).resolve() if chosen else None
+
+    @property
     def cache(self) -> Path:
-        return self.work / "cache"
+        return self.shared_cache / "downloads" if self.shared_cache else self.work / "cache"
+
+    @property
+    def wheels(self) -> Path:
+        """Wheels built from git trees, one folder per tree hash (content-addressed)."""
+        return self.shared_cache / "wheels" if self.shared_cache else self.work / "wheels"
 
     @property
     def src(self) -> Path:

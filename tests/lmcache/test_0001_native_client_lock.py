@@ -39,7 +39,7 @@ PATCH = "0001-native-clients-hold-one-lock-across-submit-and-drain.patch"
 
 # How long a single sync call may stay blocked before the test calls it lost.
 # A healthy call through the fake returns in milliseconds.
-CALL_WAIT_S = 15.0
+CALL_WAIT_S = 10.0
 # How long the fake holds a submission back waiting for the event loop to
 # drain its completion (see FakeNativeClient).
 DRAIN_GRACE_S = 1.0

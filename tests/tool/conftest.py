@@ -82,6 +82,8 @@ def demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> DemoRepo:
     monkeypatch.setenv("PIP_INDEX_URL", index.as_uri())
     monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "")
     monkeypatch.setenv("PIP_FIND_LINKS", "")
+    monkeypatch.delenv("DIST_CACHE_DIR", raising=False)
+    monkeypatch.delenv("DIST_WORK", raising=False)
     repo = DemoRepo(root=root, work=tmp_path / "work", index=index, files=files)
     repo.pin(repo.publish("1.0", BASE_FILES))
     return repo

@@ -1,0 +1,53 @@
+# Thin front door over the build tool (build/distbuild). Every output goes
+# under work/ (override with WORK=...). `make help` lists the targets.
+
+PYTHON ?= python3
+WORK ?= $(CURDIR)/work
+DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
+FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
+
+.PHONY: help image test sources fetch patched export health manifest lint pin peer-record clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@echo "  variables: UPSTREAM=lmcache|flashinfer|vllm (export), UPSTREAM=NAME==VERSION (health), FORCE=1, WORK=dir"
+
+image: ## build the serving image (the main job)
+	@echo "make image: not implemented yet: the Dockerfile and image build land with the image issue (#5)." >&2
+	@echo "            Until then: make patched (trees), make test (CPU proofs)." >&2
+	@exit 2
+
+test: ## the CPU test suite: tool tests, patch proofs on pristine and patched LMCache, peer suite
+	$(DIST) test
+
+sources: ## fetch the pinned upstream sdists into work/cache (verified by sha256)
+	$(DIST) sources
+
+fetch: ## fetch every pinned artifact, image wheels and toolchain included (ROLE=upstream|image|toolchain)
+	$(DIST) fetch --role $(or $(ROLE),all)
+
+patched: ## pristine + patched trees under work/src, and work/manifest.json
+	$(DIST) patched $(FORCE_FLAG)
+
+export: ## regenerate patches/$(UPSTREAM) from the commits in work/src/$(UPSTREAM)
+	@test -n "$(UPSTREAM)" || { echo "make export: set UPSTREAM=lmcache|flashinfer|vllm" >&2; exit 2; }
+	$(DIST) export $(UPSTREAM)
+
+health: ## try the series against another release, e.g. make health UPSTREAM=lmcache==0.5.6
+	@test -n "$(UPSTREAM)" || { echo "make health: set UPSTREAM=NAME==VERSION, e.g. lmcache==0.5.6" >&2; exit 2; }
+	$(DIST) health $(UPSTREAM)
+
+manifest: ## rewrite work/manifest.json
+	$(DIST) manifest
+
+lint: ## check the lock file and the patches' DEP-3 / Signed-off-by headers
+	$(DIST) lint
+
+pin: ## add or refresh a pin: make pin SPEC=name==ver FILE=file ROLE=image [WRITE=1]; make pin REFRESH=1
+	$(DIST) pin $(SPEC) $(if $(FILE),--file $(FILE)) $(if $(ROLE),--role $(ROLE)) $(if $(filter 1,$(REFRESH)),--refresh) $(if $(filter 1,$(WRITE)),--write)
+
+peer-record: ## run LMCache's CPU suite on the pristine build and record which tests pass
+	$(DIST) peer-record
+
+clean: ## remove work/ except the download cache
+	find $(WORK) -mindepth 1 -maxdepth 1 ! -name cache -exec rm -rf {} +

