@@ -179,15 +179,28 @@ def _test_environments(layout: Layout) -> tuple[dict[str, Path], list]:
     lmcache = pins_step.upstream_pin(pins, "lmcache")
     variants = testenv.variants(layout.work, lmcache.version, manifest_step.series_hash(series["lmcache"]))
     logs = layout.work / "logs"
-    pythons = {v.name: testenv.install(v, layout.wheels, logs) for v in variants}
+    extra = testenv.project_requirements(layout.repo)
+    pythons = {v.name: testenv.install(v, layout.wheels, logs, extra) for v in variants}
     return pythons, variants
+
+
+def cmd_toolchain(args: argparse.Namespace, layout: Layout) -> int:
+    from .toolchain import ensure_toolchain
+
+    home = ensure_toolchain(pins_step.load(layout.pins_file), layout.cache, layout.work / "toolchain", _client)
+    print(home)
+    return 0
 
 
 def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
     from . import testrun
 
+    from .toolchain import ensure_toolchain
+
     pythons, _ = _test_environments(layout)
-    return testrun.run_all(layout.repo, layout.work, pythons, layout.tree("lmcache"), args.pytest_args)
+    cuda = ensure_toolchain(pins_step.load(layout.pins_file), layout.cache, layout.work / "toolchain", _client)
+    return testrun.run_all(layout.repo, layout.work, pythons, layout.tree("lmcache"), args.pytest_args,
+                           extra_env={"DIST_CUDA_HOME": str(cuda)})
 
 
 def cmd_peer_record(args: argparse.Namespace, layout: Layout) -> int:
@@ -244,6 +257,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--refresh", action="store_true", help="re-read every pinned file's hash from the index")
     s.add_argument("--write", action="store_true", help="write the new lock file")
     s.set_defaults(func=cmd_pin)
+
+    s = sub.add_parser("toolchain", help="install the pinned CUDA 13.0 compiler wheels into work/toolchain")
+    s.set_defaults(func=cmd_toolchain)
 
     s = sub.add_parser("test", help="build both CPU test venvs and run the three test phases")
     s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")

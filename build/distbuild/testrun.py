@@ -79,27 +79,29 @@ def read_list(path: Path) -> list[str]:
     return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
 
 
-def _env(tree: str, work: Path) -> dict[str, str]:
+def _env(tree: str, work: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DIST_LMCACHE"))}
+    env.update(extra or {})
     env.update(DIST_LMCACHE_TREE=tree, PYTHONHASHSEED="0", PYTHONDONTWRITEBYTECODE="1",
                TMPDIR=str(work / "tmp"))
     (work / "tmp").mkdir(parents=True, exist_ok=True)
     return env
 
 
-def run_all(repo: Path, work: Path, pythons: dict[str, Path], tree: Path, pytest_args: list[str]) -> int:
+def run_all(repo: Path, work: Path, pythons: dict[str, Path], tree: Path, pytest_args: list[str],
+            extra_env: dict[str, str] | None = None) -> int:
     """The three phases; prints one closing 'N passed, N failed' line."""
     junit = work / "test-results"
     results: dict[str, Outcome] = {}
     problems: list[str] = []
 
     results["patched"] = run_pytest(pythons["patched"], ["tests", *pytest_args], repo,
-                                    junit / "patched.xml", _env("patched", work), "phase 1/3: project tests, patched LMCache")
+                                    junit / "patched.xml", _env("patched", work, extra_env), "phase 1/3: project tests, patched LMCache")
     if results["patched"].returncode != 0:
         problems.append(f"phase 1: {len(results['patched'].failed)} project test(s) failed on the patched tree")
 
     proofs = run_pytest(pythons["pristine"], ["tests", "-m", "fixes", *pytest_args], repo,
-                        junit / "pristine.xml", _env("pristine", work), "phase 2/3: patch proofs, pristine LMCache")
+                        junit / "pristine.xml", _env("pristine", work, extra_env), "phase 2/3: patch proofs, pristine LMCache")
     results["pristine"] = proofs
     if proofs.returncode not in (0, 5):
         problems.append(f"phase 2: {len(proofs.failed)} proof(s) did not fail on the pristine tree (strict xfail)")
@@ -109,7 +111,7 @@ def run_all(repo: Path, work: Path, pythons: dict[str, Path], tree: Path, pytest
     if suite:
         peer_dir = peer_tests_dir(tree, work, "patched")
         peer = run_pytest(pythons["patched"], [*suite, *pytest_args], peer_dir, junit / "peer.xml",
-                          _env("patched", work), "phase 3/3: LMCache's own CPU tests, patched LMCache")
+                          _env("patched", work, extra_env), "phase 3/3: LMCache's own CPU tests, patched LMCache")
         results["peer"] = peer
         regressed = sorted(recorded - peer.passed)
         if regressed:

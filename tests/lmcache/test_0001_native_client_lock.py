@@ -302,7 +302,7 @@ STRESS_CALLS_PER_THREAD = 6_000  # 24,000 sync calls in all
 STRESS_NATIVE_WORKERS = 4
 # A run is declared hung when no call completes for this long. A healthy
 # loopback EXISTS takes well under a millisecond; this only bounds the test.
-STRESS_STALL_S = 60.0
+STRESS_STALL_S = 30.0
 STRESS_DEADLINE_S = 540.0
 
 
