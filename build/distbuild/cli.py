@@ -166,7 +166,7 @@ def cmd_pristine_tree(args: argparse.Namespace, layout: Layout) -> int:
     return 0
 
 
-def _test_environments(layout: Layout) -> tuple[dict[str, Path], list]:
+def _test_environments(layout: Layout) -> tuple[Path, dict[str, dict[str, str]]]:
     from . import testenv
 
     pins = pins_step.load(layout.pins_file)
@@ -179,9 +179,10 @@ def _test_environments(layout: Layout) -> tuple[dict[str, Path], list]:
     lmcache = pins_step.upstream_pin(pins, "lmcache")
     variants = testenv.variants(layout.work, lmcache.version, manifest_step.series_hash(series["lmcache"]))
     logs = layout.work / "logs"
-    extra = testenv.project_requirements(layout.repo)
-    pythons = {v.name: testenv.install(v, layout.wheels, logs, extra) for v in variants}
-    return pythons, variants
+    python = testenv.ensure_venv(layout.work / "venv", layout.tree("lmcache"), logs,
+                                 testenv.project_requirements(layout.repo))
+    envs = {v.name: testenv.install(v, python, layout.wheels, logs) for v in variants}
+    return python, envs
 
 
 def cmd_toolchain(args: argparse.Namespace, layout: Layout) -> int:
@@ -197,21 +198,21 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
 
     from .toolchain import ensure_toolchain
 
-    pythons, _ = _test_environments(layout)
+    python, envs = _test_environments(layout)
     cuda = ensure_toolchain(pins_step.load(layout.pins_file), layout.cache, layout.work / "toolchain", _client)
-    return testrun.run_all(layout.repo, layout.work, pythons, layout.tree("lmcache"), args.pytest_args,
+    return testrun.run_all(layout.repo, layout.work, python, envs, layout.tree("lmcache"), args.pytest_args,
                            extra_env={"DIST_CUDA_HOME": str(cuda)})
 
 
 def cmd_peer_record(args: argparse.Namespace, layout: Layout) -> int:
     from . import testrun
 
-    pythons, _ = _test_environments(layout)
+    python, envs = _test_environments(layout)
     pristine_src = layout.work / "pristine-src" / "lmcache"
     repo = Repo(layout.tree("lmcache"))
     shutil.rmtree(pristine_src, ignore_errors=True)
     repo.extract(PRISTINE_REF, pristine_src)
-    return testrun.record_peer(layout.repo, layout.work, pythons["pristine"], pristine_src)
+    return testrun.record_peer(layout.repo, layout.work, python, envs["pristine"], pristine_src)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
-"""The CPU test environments: one venv per LMCache tree (patched, pristine).
+"""The CPU test environment: one venv, two LMCache builds (patched, pristine).
 
-Each venv gets torch 2.13.0 (CPU), LMCache's build and test requirements and
-a wheel of the tree built with ``NO_GPU_EXT=1`` (its common C++ extensions,
+The venv gets torch 2.13.0 (CPU), LMCache's build and test requirements and,
+for each tree, a wheel built with ``NO_GPU_EXT=1`` (its common C++ extensions,
 the RESP connector among them, still compile). Wheels are cached under
 ``work/wheels/`` by tree hash, so a rebuild happens only when a tree changed.
 """
@@ -30,6 +30,7 @@ class Variant:
     tree: Path         # the git repository holding the tree
     tree_hash: str     # the git tree the wheel is built from
     version: str       # the wheel's version, e.g. 0.5.5+dist.1a2b3c4d
+    site: Path | None  # install folder put on PYTHONPATH; None: the venv itself
 
 
 def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
@@ -105,18 +106,29 @@ def build_wheel(variant: Variant, python: Path, wheels: Path, logs: Path) -> Pat
     return sorted(target.glob("*.whl"))[0]
 
 
-def install(variant: Variant, wheels: Path, logs: Path, extra: list[Path]) -> Path:
-    python = ensure_venv(variant.venv, variant.tree, logs, extra)  # requirements are read from the patched checkout
-    stamp = variant.venv / STAMP
+def install(variant: Variant, python: Path, wheels: Path, logs: Path) -> dict[str, str]:
+    """Install the variant's wheel; return the environment that selects it.
+
+    The patched build goes into the venv itself; the pristine build goes into
+    its own folder that ``PYTHONPATH`` puts ahead of the venv's site-packages,
+    so one venv (torch and every requirement) serves both trees.
+    """
+    target = variant.site
+    stamp = (target or variant.venv) / STAMP
+    env = {"PYTHONPATH": str(target)} if target else {}
     if stamp.is_file() and stamp.read_text() == variant.tree_hash:
-        print(f"{variant.name:8} LMCache {variant.version} already in {variant.venv}")
-        return python
+        print(f"{variant.name:8} LMCache {variant.version} already installed ({target or variant.venv})")
+        return env
     wheel = build_wheel(variant, python, wheels, logs)
-    _run([str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", "--progress-bar", "off", str(wheel)],
-         logs / f"install-{variant.name}.log")
+    pip = [str(python), "-m", "pip", "install", "--no-deps", "--progress-bar", "off"]
+    if target:
+        shutil.rmtree(target, ignore_errors=True)
+        _run([*pip, "--target", str(target), str(wheel)], logs / f"install-{variant.name}.log")
+    else:
+        _run([*pip, "--force-reinstall", str(wheel)], logs / f"install-{variant.name}.log")
     stamp.write_text(variant.tree_hash)
-    print(f"{variant.name:8} LMCache {variant.version} installed in {variant.venv}")
-    return python
+    print(f"{variant.name:8} LMCache {variant.version} installed ({target or variant.venv})")
+    return env
 
 
 def variants(work: Path, upstream_version: str, series_hash: str) -> list[Variant]:
@@ -131,7 +143,8 @@ def variants(work: Path, upstream_version: str, series_hash: str) -> list[Varian
     patched_tree = repo.tree("HEAD")
     pristine_tree = repo.tree(PRISTINE_REF)
     patched_version = upstream_version if patched_tree == pristine_tree else f"{upstream_version}+dist.{series_hash[:8]}"
+    venv = work / "venv"
     return [
-        Variant("patched", work / "venv", tree, patched_tree, patched_version),
-        Variant("pristine", work / "venv-pristine", tree, pristine_tree, upstream_version),
+        Variant("patched", venv, tree, patched_tree, patched_version, None),
+        Variant("pristine", venv, tree, pristine_tree, upstream_version, work / "lmcache-pristine"),
     ]

@@ -88,20 +88,20 @@ def _env(tree: str, work: Path, extra: dict[str, str] | None = None) -> dict[str
     return env
 
 
-def run_all(repo: Path, work: Path, pythons: dict[str, Path], tree: Path, pytest_args: list[str],
-            extra_env: dict[str, str] | None = None) -> int:
+def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]], tree: Path,
+            pytest_args: list[str], extra_env: dict[str, str] | None = None) -> int:
     """The three phases; prints one closing 'N passed, N failed' line."""
     junit = work / "test-results"
     results: dict[str, Outcome] = {}
     problems: list[str] = []
 
-    results["patched"] = run_pytest(pythons["patched"], ["tests", *pytest_args], repo,
-                                    junit / "patched.xml", _env("patched", work, extra_env), "phase 1/3: project tests, patched LMCache")
+    patched_env = _env("patched", work, {**(extra_env or {}), **envs["patched"]})
+    pristine_env = _env("pristine", work, {**(extra_env or {}), **envs["pristine"]})
+    results["patched"] = run_pytest(python, ["tests", *pytest_args], repo, junit / "patched.xml", patched_env, "phase 1/3: project tests, patched LMCache")
     if results["patched"].returncode != 0:
         problems.append(f"phase 1: {len(results['patched'].failed)} project test(s) failed on the patched tree")
 
-    proofs = run_pytest(pythons["pristine"], ["tests", "-m", "fixes", *pytest_args], repo,
-                        junit / "pristine.xml", _env("pristine", work, extra_env), "phase 2/3: patch proofs, pristine LMCache")
+    proofs = run_pytest(python, ["tests", "-m", "fixes", *pytest_args], repo, junit / "pristine.xml", pristine_env, "phase 2/3: patch proofs, pristine LMCache")
     results["pristine"] = proofs
     if proofs.returncode not in (0, 5):
         problems.append(f"phase 2: {len(proofs.failed)} proof(s) did not fail on the pristine tree (strict xfail)")
@@ -110,8 +110,7 @@ def run_all(repo: Path, work: Path, pythons: dict[str, Path], tree: Path, pytest
     recorded = set(read_list(repo / "tests" / "peer" / "pristine-passed.txt"))
     if suite:
         peer_dir = peer_tests_dir(tree, work, "patched")
-        peer = run_pytest(pythons["patched"], [*suite, *pytest_args], peer_dir, junit / "peer.xml",
-                          _env("patched", work, extra_env), "phase 3/3: LMCache's own CPU tests, patched LMCache")
+        peer = run_pytest(python, [*suite, *pytest_args], peer_dir, junit / "peer.xml", patched_env, "phase 3/3: LMCache's own CPU tests, patched LMCache")
         results["peer"] = peer
         regressed = sorted(recorded - peer.passed)
         if regressed:
@@ -139,14 +138,14 @@ def run_all(repo: Path, work: Path, pythons: dict[str, Path], tree: Path, pytest
     return 1 if problems else 0
 
 
-def record_peer(repo: Path, work: Path, python: Path, pristine_src: Path) -> int:
+def record_peer(repo: Path, work: Path, python: Path, pristine_env: dict[str, str], pristine_src: Path) -> int:
     """Run the peer suite on the pristine build and write tests/peer/pristine-passed.txt."""
     suite = read_list(repo / "tests" / "peer" / "suite.txt")
     if not suite:
         raise DistBuildError(f"{repo / 'tests' / 'peer' / 'suite.txt'}: empty; list the upstream tests to run")
     peer_dir = peer_tests_dir(pristine_src, work, "pristine")
     outcome = run_pytest(python, suite, peer_dir, work / "test-results" / "peer-pristine.xml",
-                         _env("pristine", work), "LMCache's own CPU tests, pristine LMCache")
+                         _env("pristine", work, pristine_env), "LMCache's own CPU tests, pristine LMCache")
     out = repo / "tests" / "peer" / "pristine-passed.txt"
     header = ("# Upstream LMCache tests that pass on the pristine build (written by `make peer-record`).\n"
               "# `make test` requires each of them to pass on the patched build too.\n")

@@ -217,5 +217,14 @@ def test_rank2_async_get_loads_worker0_chunks_from_valkey(valkey, loop):
         # Stop the server first: on the pristine tree a native worker is still
         # blocked in a GET of a missing key, and only a closed socket frees it.
         valkey.stop()
-        bounded(backend.close)
+        # Close the native client on the loop thread. Not RemoteBackend.close():
+        # RESPConnector.close() runs on the loop and waits, through the sync
+        # AsyncPQExecutor.shutdown(), for work scheduled on that same loop.
+        if backend.connection is not None:
+            resp = backend.connection.getWrappedConnector()
+            bounded(lambda: run(loop, _close_client(resp.client)))
         bounded(local_cpu.close)
+
+
+async def _close_client(client) -> None:
+    client.close()

@@ -1,0 +1,19 @@
+"""Operator tools for validating a GLM-5.3 serving deployment before it takes traffic.
+
+Four tools, each behind a thin script in ``scripts/``:
+
+- ``replay``: open-loop replay of a JSONL request stream against an
+  OpenAI-compatible endpoint, TTFT percentiles, SLA gates, CSV and PNGs
+  (``replay_cli``; a ``generate`` subcommand writes synthetic streams).
+- ``valkey-stats``: samples ``INFO commandstats`` and ``INFO cpu`` from every
+  Valkey shard (``valkey_cli``).
+- ``needle``: needle-in-a-haystack prompts at exact token lengths, run cold,
+  from L1, from L2 after a restart, and cold again (``needle_cli``).
+- ``profile-capture``: the Nsight Systems command, the start/stop profiling
+  window, and py-spy dumps of the engine processes (``profile_cli``).
+
+Modules have one job each; the ``*_cli`` modules parse arguments and wire the
+others together.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,161 @@
+"""PNG plots (matplotlib, Agg backend, no display needed).
+
+Replay: TTFT over send time, TTFT CDF, requests in flight over time.
+Valkey: GET calls/s, microseconds per GET and main-thread CPU per shard.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .records import RequestRecord
+from .gates import GateResult
+from .stats import THIRD_NAMES, ReplaySummary, in_flight_steps, third_boundaries
+
+if TYPE_CHECKING:
+    from .valkey_sampler import IntervalStats
+
+DPI = 110
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _gate_limits(gate_results: Sequence[GateResult]) -> dict[str, float]:
+    return {r.gate.metric: r.gate.limit for r in gate_results if r.gate.metric != "success_pct"}
+
+
+def plot_ttft_over_time(
+    path: Path, records: Sequence[RequestRecord], summary: ReplaySummary, gate_results: Sequence[GateResult], title: str
+) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 5.2))
+    ok = [r for r in records if r.ok and r.ttft_s is not None]
+    bad = [r for r in records if not r.ok and r.sent_s is not None]
+    ax.scatter([r.sent_s for r in ok], [r.ttft_s for r in ok], s=12, color="tab:blue", alpha=0.7,
+               label=f"TTFT, ok ({len(ok)})")
+    if bad:
+        ax.scatter([r.sent_s for r in bad], [0.0] * len(bad), marker="x", s=30, color="tab:red",
+                   label=f"failed ({len(bad)}), drawn at 0", zorder=3)
+    limits = _gate_limits(gate_results)
+    styles = {"p50": ("tab:orange", "--"), "p90": ("tab:red", "--"), "mean": ("tab:green", ":"), "p99": ("tab:purple", "-.")}
+    top = max([r.ttft_s for r in ok], default=1.0)
+    for metric, limit in limits.items():
+        color, style = styles.get(metric, ("gray", "--"))
+        label = f"gate: {metric.upper() if metric != 'mean' else 'mean'} < {limit:g} s"
+        if limit <= top * 1.5:
+            ax.axhline(limit, color=color, linestyle=style, linewidth=1, label=label)
+    bounds = third_boundaries(records)
+    for x in bounds:
+        ax.axvline(x, color="gray", linestyle=":", linewidth=1)
+    sent = [r.sent_s for r in records if r.sent_s is not None]
+    if sent and bounds:
+        edges = [min(sent), *bounds, max(sent)]
+        for i, (name, dist) in enumerate(zip(THIRD_NAMES, summary.ttft_thirds)):
+            if dist.p50 is None:
+                continue
+            ax.hlines(dist.p50, edges[i], edges[i + 1], color="black", linewidth=2,
+                      label="median per third" if i == 0 else None)
+            ax.annotate(f"p50 {dist.p50:.2f} s", ((edges[i] + edges[i + 1]) / 2, dist.p50),
+                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.set_xlabel("send time (s after start)")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_ttft_cdf(
+    path: Path, records: Sequence[RequestRecord], summary: ReplaySummary, gate_results: Sequence[GateResult], title: str
+) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    values = sorted(r.ttft_s for r in records if r.ok and r.ttft_s is not None)
+    n_all = max(summary.requests, 1)
+    if values:
+        # y is the share of all requests of the stream, so failures keep the curve below 1
+        ys = [(i + 1) / n_all for i in range(len(values))]
+        ax.step(values, ys, where="post", color="tab:blue", label=f"TTFT of {len(values)} ok requests")
+    for name, value, color in (("p50", summary.ttft.p50, "tab:orange"), ("p90", summary.ttft.p90, "tab:red"),
+                               ("p99", summary.ttft.p99, "tab:purple")):
+        if value is not None:
+            ax.axvline(value, color=color, linewidth=1, alpha=0.6, label=f"{name} {value:.2f} s")
+    for metric, limit in _gate_limits(gate_results).items():
+        if values and limit <= values[-1] * 1.5:
+            ax.axvline(limit, color="black", linestyle="--", linewidth=1,
+                       label=f"gate {metric} < {limit:g} s")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("share of requests")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlim(left=0)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_in_flight(path: Path, records: Sequence[RequestRecord], summary: ReplaySummary, title: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    steps = in_flight_steps(records)
+    if steps:
+        times = [0.0] + [t for t, _ in steps]
+        levels = [0] + [n for _, n in steps]
+        ax.step(times, levels, where="post", color="tab:green")
+        ax.fill_between(times, levels, step="post", alpha=0.25, color="tab:green")
+        peak_time, peak = max(steps, key=lambda s: s[1])
+        ax.annotate(f"peak {peak}", (peak_time, peak), textcoords="offset points", xytext=(6, -12), fontsize=9)
+    sent = [r.sent_s for r in records if r.sent_s is not None]
+    if sent:
+        ax.plot(sent, [0] * len(sent), "|", color="gray", markersize=8, label="sends")
+        ax.legend(loc="upper left", fontsize=8)
+    ax.set_xlabel("time (s after start)")
+    ax.set_ylabel("requests in flight")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_valkey(path: Path, intervals: Sequence[IntervalStats], title: str) -> None:
+    """Three stacked panels sharing the time axis, one line per shard."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
+    shards = sorted({i.shard for i in intervals})
+    for shard in shards:
+        rows = [i for i in intervals if i.shard == shard and i.error == ""]
+        xs = [i.end_s for i in rows]
+        label = f"shard {shard}"
+        axes[0].plot(xs, [i.get_calls_per_s for i in rows], marker=".", label=label)
+        axes[1].plot(xs, [i.get_usec_per_call if i.get_usec_per_call is not None else float("nan") for i in rows],
+                     marker=".", label=label)
+        axes[2].plot(xs, [i.main_cpu_pct for i in rows], marker=".", label=label)
+    axes[0].set_ylabel("GET calls / s")
+    axes[1].set_ylabel("µs per GET (server time)")
+    axes[2].set_ylabel("main thread CPU (% of one core)")
+    axes[2].axhline(100, color="red", linestyle="--", linewidth=1)
+    axes[2].set_xlabel("time (s after start)")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+    if len(shards) <= 16:
+        axes[0].legend(loc="upper right", fontsize=8, ncol=min(len(shards), 4))
+    axes[0].set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)

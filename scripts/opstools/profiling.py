@@ -1,0 +1,272 @@
+"""Nsight Systems capture of a window, driven through vLLM's profiling endpoints.
+
+What vLLM 0.31.0 provides (read in its source):
+
+- ``--profiler-config '{"profiler": "cuda"}'`` (``vllm/config/profiler.py``,
+  ``ProfilerConfig.profiler`` is one of ``torch``, ``cuda``, ``proton``);
+  also accepted as ``--profiler-config.profiler cuda``.
+- With a profiler configured, the API server mounts ``POST /start_profile`` and
+  ``POST /stop_profile`` (``vllm/entrypoints/serve/profile/api_router.py``);
+  without one they are absent (HTTP 404).
+- The ``cuda`` profiler calls ``torch.cuda.profiler.start()/stop()``
+  (``CudaProfilerWrapper`` in ``vllm/profiler/wrapper.py``), i.e.
+  ``cudaProfilerStart/Stop`` in every worker, which is what
+  ``nsys profile --capture-range=cudaProfilerApi`` waits for.
+- vLLM's profiling guide recommends ``--trace-fork-before-exec=true
+  --cuda-graph-trace=node`` for nsys and ``VLLM_WORKER_MULTIPROC_METHOD=spawn``.
+- Process titles: ``VLLM::EngineCore`` (``_DP<n>`` with data parallelism) and
+  ``VLLM::Worker[_DP<n>][_PP<n>][_PCP<n>][_TP<n>][_DCP<n>][_EP<n>]``
+  (``set_process_title``, prefix from ``VLLM_PROCESS_NAME_PREFIX``), which
+  is how :func:`find_engine_processes` recognises the engine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .common import OpsError
+
+CUDA_PROFILER_CONFIG = '{"profiler": "cuda"}'
+NSYS_TRACE = "cuda,nvtx"
+CAPTURE_RANGE_ENDS = ("repeat", "stop", "stop-shutdown")
+SERVE_ENVIRONMENT = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+DEFAULT_TITLE_PREFIX = "VLLM::"
+
+
+def _profiler_from_config_value(value: str, flag: str) -> str | None:
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError:
+        raise OpsError(f"{flag} {value!r} in the serve command is not JSON") from None
+    if not isinstance(config, dict):
+        raise OpsError(f"{flag} {value!r} in the serve command is not a JSON object")
+    return config.get("profiler")
+
+
+def ensure_cuda_profiler(serve_command: list[str]) -> list[str]:
+    """The serve command with ``--profiler-config '{"profiler": "cuda"}'`` (added when absent).
+
+    A profiler config naming another profiler is an error: nsys would wait
+    for a capture range that never starts.
+    """
+    command = list(serve_command)
+    found: str | None = None
+    index = 0
+    while index < len(command):
+        arg = command[index]
+        value: str | None = None
+        flag = arg.split("=", 1)[0]
+        if flag in ("--profiler-config", "--profiler-config.profiler"):
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            elif index + 1 < len(command):
+                value = command[index + 1]
+                index += 1
+            else:
+                raise OpsError(f"{flag} at the end of the serve command has no value")
+            profiler = _profiler_from_config_value(value, flag) if flag == "--profiler-config" else value
+            if profiler != "cuda":
+                raise OpsError(f"the serve command sets {flag} to {value!r}; nsys capture needs the 'cuda' "
+                               f"profiler: --profiler-config '{CUDA_PROFILER_CONFIG}'")
+            found = profiler
+        index += 1
+    if found is None:
+        command += ["--profiler-config", CUDA_PROFILER_CONFIG]
+    return command
+
+
+def build_nsys_command(
+    serve_command: list[str],
+    output: Path,
+    nsys: str = "nsys",
+    capture_range_end: str = "repeat",
+    extra_nsys_args: list[str] | None = None,
+) -> list[str]:
+    """``nsys profile ... <serve command>`` capturing only between start/stop_profile."""
+    if not serve_command:
+        raise OpsError("no serve command given; put it after '--', e.g. -- vllm serve zai-org/GLM-5.3-FP8 ...")
+    if capture_range_end.split(":", 1)[0] not in CAPTURE_RANGE_ENDS:
+        raise OpsError(f"--capture-range-end {capture_range_end!r}: use one of {', '.join(CAPTURE_RANGE_ENDS)}"
+                       " (repeat:N allowed)")
+    if capture_range_end == "stop-shutdown":
+        raise OpsError("--capture-range-end stop-shutdown would shut the engine down after the first window; "
+                       "use repeat or stop")
+    return [
+        nsys, "profile",
+        f"--trace={NSYS_TRACE}",
+        "--capture-range=cudaProfilerApi",
+        f"--capture-range-end={capture_range_end}",
+        "--trace-fork-before-exec=true",
+        "--cuda-graph-trace=node",
+        "--force-overwrite=true",
+        f"--output={output}",
+        *(extra_nsys_args or []),
+        *ensure_cuda_profiler(serve_command),
+    ]
+
+
+def shell_line(command: list[str], env: dict[str, str] | None = None) -> str:
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
+    return (prefix + " " if prefix else "") + shlex.join(command)
+
+
+# -- the profiling window ------------------------------------------------------
+
+def post_profile_endpoint(base_url: str, name: str, timeout_s: float) -> None:
+    """``POST /start_profile`` or ``/stop_profile``; raises :class:`OpsError` naming the URL."""
+    url = base_url.rstrip("/") + f"/{name}"
+    request = urllib.request.Request(url, data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            response.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            raise OpsError(f"{url}: HTTP 404, the engine serves no profiling endpoints; start it with "
+                           f"--profiler-config '{CUDA_PROFILER_CONFIG}'") from None
+        raise OpsError(f"{url}: HTTP {exc.code}: {exc.read()[:200]!r}") from None
+    except urllib.error.URLError as exc:
+        raise OpsError(f"{url}: cannot connect: {exc.reason}") from None
+    except TimeoutError:
+        raise OpsError(f"{url}: no answer within {timeout_s:g} s") from None
+
+
+# -- engine processes and py-spy -----------------------------------------------
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    ppid: int
+    name: str  # /proc/<pid>/comm
+    cmdline: str
+
+    @property
+    def title(self) -> str:
+        return self.cmdline or self.name
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def list_processes(proc_root: Path = Path("/proc")) -> dict[int, ProcessInfo]:
+    processes: dict[int, ProcessInfo] = {}
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        stat = _read(entry / "stat")
+        if not stat:
+            continue
+        # "pid (comm) state ppid ...": comm may contain spaces and parentheses
+        after_comm = stat.rsplit(")", 1)[-1].split()
+        try:
+            ppid = int(after_comm[1])
+        except (IndexError, ValueError):
+            continue
+        cmdline = _read(entry / "cmdline").replace("\x00", " ").strip()
+        processes[int(entry.name)] = ProcessInfo(int(entry.name), ppid, _read(entry / "comm").strip(), cmdline)
+    return processes
+
+
+def descendants(root_pid: int, processes: dict[int, ProcessInfo]) -> list[ProcessInfo]:
+    """``root_pid`` and every process below it, parents first."""
+    children: dict[int, list[int]] = {}
+    for info in processes.values():
+        children.setdefault(info.ppid, []).append(info.pid)
+    if root_pid not in processes:
+        raise OpsError(f"--root-pid {root_pid}: no such process")
+    order: list[ProcessInfo] = []
+    pending = [root_pid]
+    while pending:
+        pid = pending.pop(0)
+        order.append(processes[pid])
+        pending.extend(sorted(children.get(pid, [])))
+    return order
+
+
+def is_engine_process(info: ProcessInfo, title_prefix: str = DEFAULT_TITLE_PREFIX) -> bool:
+    """A vLLM process: titled ``VLLM::...`` or running ``vllm serve`` / a vLLM entrypoint."""
+    text = info.cmdline
+    return (
+        text.startswith(title_prefix)
+        or info.name.startswith(title_prefix[:15])
+        or " vllm serve" in f" {text}"
+        or "/vllm serve" in text
+        or "vllm.entrypoints" in text
+    )
+
+
+def find_engine_processes(
+    root_pid: int | None = None,
+    title_prefix: str = DEFAULT_TITLE_PREFIX,
+    proc_root: Path = Path("/proc"),
+) -> list[ProcessInfo]:
+    """Engine processes: the tree under ``root_pid`` (all of it), else every vLLM-looking process."""
+    processes = list_processes(proc_root)
+    own = os.getpid()
+    if root_pid is not None:
+        return [p for p in descendants(root_pid, processes) if p.pid != own]
+    return sorted(
+        (p for p in processes.values() if p.pid != own and is_engine_process(p, title_prefix)),
+        key=lambda p: p.pid,
+    )
+
+
+def pyspy_command(pid: int, pyspy: str = "py-spy", native: bool = False, show_locals: bool = False) -> list[str]:
+    command = [pyspy, "dump", "--pid", str(pid)]
+    if native:
+        command.append("--native")
+    if show_locals:
+        command.append("--locals")
+    return command
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    process: ProcessInfo
+    path: Path
+    returncode: int
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def _safe_name(text: str) -> str:
+    keep = "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+    return keep.strip("_")[:60] or "process"
+
+
+def dump_stacks(
+    processes: list[ProcessInfo],
+    folder: Path,
+    pyspy: str = "py-spy",
+    native: bool = False,
+    show_locals: bool = False,
+    timeout_s: float = 60.0,
+) -> list[DumpResult]:
+    """One ``py-spy dump`` per process, each written to ``folder/<pid>-<title>.txt``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    results = []
+    for process in processes:
+        command = pyspy_command(process.pid, pyspy, native, show_locals)
+        path = folder / f"{process.pid}-{_safe_name(process.title.split(' ')[0])}.txt"
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+            text, code = done.stdout + done.stderr, done.returncode
+        except FileNotFoundError:
+            raise OpsError(f"{pyspy}: not found; install it (python3 -m pip install py-spy) or pass --py-spy PATH") from None
+        except subprocess.TimeoutExpired:
+            text, code = f"py-spy dump timed out after {timeout_s:g} s\n", 124
+        header = f"# {shlex.join(command)}\n# pid {process.pid} ppid {process.ppid}: {process.title}\n# exit {code}\n"
+        path.write_text(header + text, encoding="utf-8")
+        results.append(DumpResult(process, path, code))
+    return results

@@ -1,0 +1,294 @@
+"""``scripts/replay``: open-loop request replay with TTFT gates, and a stream generator."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import gates as gate_rules
+from .common import (
+    EXIT_ERROR,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    HelpFormatter,
+    OpsError,
+    fail,
+    fraction,
+    positive_float,
+    positive_int,
+    prepare_out_dir,
+    utc_iso,
+)
+from .stream import read_stream
+
+TOOL = "replay"
+
+DESCRIPTION = """\
+Replay a JSONL request stream against an OpenAI-compatible endpoint, open loop
+(each request is sent at its offset, however slow the server), and judge the
+TTFT against SLA gates. Stream format: scripts/README.md or
+`python3 -c "import opstools.stream as s; help(s)"` from scripts/.
+
+  replay run STREAM --url URL     replay, report, gate (exit 0 pass, 1 gate failed, 2 error)
+  replay generate --count N ...   write a synthetic stream
+
+example:
+  scripts/replay generate --count 450 --rate 1.2 --reuse-share 0.9 --seed 7 --out work/ops/hit-heavy
+  scripts/replay run work/ops/hit-heavy/stream.jsonl --url http://127.0.0.1:8000 --out work/ops/replay-hh
+"""
+
+RUN_EPILOG = """\
+outputs in --out: records.csv (one row per request), summary.json, ttft_over_time.png,
+ttft_cdf.png, in_flight.png. Exit: 0 all gates pass, 1 a gate failed, 2 error (bad
+stream, dead endpoint, malformed event stream; records taken so far are still written),
+130 interrupted (records kept).
+
+example:
+  scripts/replay run stream.jsonl --url http://127.0.0.1:8000 --gate-p90 60 --gate-p99 off
+"""
+
+GENERATE_EPILOG = """\
+Prompts are sentences of common English words, about one token per word plus one per
+sentence; --tokenize-url measures the real ratio with the server's /tokenize.
+Fresh prompts start with a unique "[salt-index]" tag, so reuse-share 0 is a cold stream.
+
+examples:
+  scripts/replay generate --count 683 --rate 1.8 --reuse-share 0 --out work/ops/cold
+  scripts/replay generate --count 200 --rate 0.5 --length-histogram 9000-16000:50,16000-64000:30,64000-200000:20
+"""
+
+
+def gate_limit(text: str) -> float | None:
+    """argparse type: a limit > 0, or ``off``."""
+    if text.lower() in ("off", "none"):
+        return None
+    return positive_float(text)
+
+
+def success_limit(text: str) -> float | None:
+    if text.lower() in ("off", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage in [0, 100] or 'off', got {text!r}") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage in [0, 100] or 'off', got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="replay", description=DESCRIPTION, formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,generate}")
+
+    run = sub.add_parser("run", help="replay a stream and gate its TTFT", epilog=RUN_EPILOG,
+                         formatter_class=HelpFormatter)
+    run.add_argument("stream", type=Path, help="the JSONL request stream")
+    run.add_argument("--url", required=True, help="base URL of the engine, e.g. http://127.0.0.1:8000")
+    run.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
+    run.add_argument("--out", type=Path, help="output folder (default: work/ops/replay-<UTC time>/)")
+    run.add_argument("--gate-p90", type=gate_limit, default=gate_rules.DEFAULT_P90_S, metavar="S",
+                     help="TTFT P90 must be below S seconds ('off' to skip)")
+    run.add_argument("--gate-p50", type=gate_limit, default=gate_rules.DEFAULT_P50_S, metavar="S",
+                     help="TTFT P50 must be below S seconds")
+    run.add_argument("--gate-mean", type=gate_limit, default=gate_rules.DEFAULT_MEAN_S, metavar="S",
+                     help="mean TTFT must be below S seconds")
+    run.add_argument("--gate-p99", type=gate_limit, default=None, metavar="S",
+                     help="TTFT P99 must be below S seconds (off by default)")
+    run.add_argument("--gate-success", type=success_limit, default=gate_rules.DEFAULT_SUCCESS_PCT, metavar="PCT",
+                     help="share of the stream's requests that must succeed, in percent")
+    run.add_argument("--request-timeout", type=positive_float, default=3600.0, metavar="S",
+                     help="give up on one request after S seconds")
+    run.add_argument("--connect-timeout", type=positive_float, default=10.0, metavar="S")
+    run.add_argument("--abort-after-connect-errors", type=positive_int, default=5, metavar="N",
+                     help="stop the run after N connection failures in a row")
+    run.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos so every answer has max_tokens")
+    run.add_argument("--extra-body", type=json_object, default={}, metavar="JSON",
+                     help='extra fields for every request body, e.g. \'{"temperature": 0}\'')
+    run.add_argument("--progress-interval", type=positive_float, default=5.0, metavar="S")
+    run.add_argument("--quiet", action="store_true", help="no progress lines")
+    run.add_argument("--no-plots", action="store_true", help="skip the PNGs (CSV and summary only)")
+
+    gen = sub.add_parser("generate", help="write a synthetic request stream", epilog=GENERATE_EPILOG,
+                         formatter_class=HelpFormatter)
+    gen.add_argument("--count", type=positive_int, required=True, help="number of requests")
+    gen.add_argument("--rate", type=positive_float, required=True, help="mean arrival rate, requests/s (Poisson)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--min-tokens", type=positive_int, default=9_000, help="shortest prompt (tokens)")
+    gen.add_argument("--max-tokens", type=positive_int, default=200_000, help="longest prompt (tokens)")
+    gen.add_argument("--length-histogram", metavar="SPEC",
+                     help="LOW-HIGH:WEIGHT,... bins instead of log-uniform over [min, max]")
+    gen.add_argument("--reuse-share", type=fraction, default=0.0,
+                     help="share of requests that reuse an earlier prompt's prefix (0 cold, 0.9 hit-heavy)")
+    gen.add_argument("--prefix-share", type=fraction, default=0.95,
+                     help="share of the earlier prompt a reusing request keeps (1 = identical prompt)")
+    gen.add_argument("--output-tokens", type=positive_int, default=16, help="max_tokens of every request")
+    gen.add_argument("--salt", default="", help="tag that makes prompts unique to this stream (default: s<seed>)")
+    gen.add_argument("--tokenize-url", help="measure tokens per word with this server's /tokenize first")
+    gen.add_argument("--model", help="model name for --tokenize-url (default: first of /v1/models)")
+    gen.add_argument("--out", type=Path, help="output folder (default: work/ops/replay-generate-<UTC time>/)")
+    return parser
+
+
+def _gates_from_args(args: argparse.Namespace) -> list[gate_rules.Gate]:
+    return gate_rules.build_gates(
+        p50_s=args.gate_p50, p90_s=args.gate_p90, mean_s=args.gate_mean, success_pct=args.gate_success,
+        p99_s=args.gate_p99,
+    )
+
+
+def command_run(args: argparse.Namespace) -> int:
+    from . import plots
+    from .replay import ReplayConfig, run_replay
+    from .replay_report import format_report, write_records_csv, write_summary_json
+    from .stats import summarize
+
+    requests = read_stream(args.stream)
+    out = prepare_out_dir(args.out, TOOL)
+    extra_body = dict(args.extra_body)
+    if args.ignore_eos:
+        extra_body["ignore_eos"] = True
+    config = ReplayConfig(
+        base_url=args.url,
+        model=args.model,
+        request_timeout_s=args.request_timeout,
+        connect_timeout_s=args.connect_timeout,
+        abort_after_connect_errors=args.abort_after_connect_errors,
+        extra_body=extra_body,
+        progress_interval_s=args.progress_interval,
+    )
+    span = requests[-1].offset_s
+    print(f"replay: {len(requests)} requests over {span:.1f} s from {args.stream} to {args.url}; "
+          f"results in {out}", file=sys.stderr, flush=True)
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    try:
+        result = asyncio.run(run_replay(requests, config, progress))
+    except OpsError as exc:
+        # nothing was sent: still leave an (empty) records file behind
+        from .records import RequestRecord
+
+        write_records_csv(out / "records.csv", [RequestRecord(id=r.id, offset_s=r.offset_s) for r in requests])
+        return fail(f"{exc}; nothing sent (records: {out / 'records.csv'})", EXIT_ERROR, TOOL)
+
+    summary = summarize(result.records, peak_observed=result.peak_in_flight)
+    gates = _gates_from_args(args)
+    gate_results = gate_rules.evaluate(summary, gates)
+    passed = gate_rules.verdict(gate_results) and result.abort_reason is None
+    write_records_csv(out / "records.csv", result.records)
+    context = {
+        "stream": str(args.stream),
+        "url": args.url,
+        "model": result.model,
+        "started_at_utc": utc_iso(result.started_epoch_s),
+        "aborted": result.abort_reason,
+    }
+    write_summary_json(out / "summary.json", summary, gate_results, passed, context)
+    title = f"{args.stream.name}: {summary.requests} requests, verdict {'PASS' if passed else 'FAIL'}"
+    plotted = bool(summary.sent) and not args.no_plots
+    if plotted:
+        plots.plot_ttft_over_time(out / "ttft_over_time.png", result.records, summary, gate_results, title)
+        plots.plot_ttft_cdf(out / "ttft_cdf.png", result.records, summary, gate_results, title)
+        plots.plot_in_flight(out / "in_flight.png", result.records, summary, title)
+    print(format_report(summary, gate_results, passed))
+    print(f"written: {out}/records.csv, summary.json" + (", ttft_over_time.png, ttft_cdf.png, in_flight.png"
+                                                         if plotted else ""))
+    if result.abort_reason is not None:
+        code = EXIT_INTERRUPTED if result.interrupted else EXIT_ERROR
+        return fail(f"run stopped early: {result.abort_reason}; the {summary.sent} requests sent are in "
+                    f"{out / 'records.csv'}", code, TOOL)
+    return EXIT_OK if passed else EXIT_FAILED
+
+
+def command_generate(args: argparse.Namespace) -> int:
+    from .generator import GeneratorConfig, generate, parse_histogram
+    from .stats import Distribution
+    from .stream import write_stream
+
+    histogram = parse_histogram(args.length_histogram) if args.length_histogram else None
+    tokens_per_word = None
+    if args.tokenize_url:
+        tokens_per_word = asyncio.run(_measure_ratio(args.tokenize_url, args.model))
+        print(f"generate: {args.tokenize_url} counts {tokens_per_word:.4f} tokens per word", file=sys.stderr)
+    config = GeneratorConfig(
+        count=args.count, rate_per_s=args.rate, seed=args.seed, min_tokens=args.min_tokens,
+        max_tokens=args.max_tokens, histogram=histogram, reuse_share=args.reuse_share,
+        prefix_share=args.prefix_share, output_tokens=args.output_tokens, tokens_per_word=tokens_per_word,
+        salt=args.salt,
+    )
+    config.validate()
+    out = prepare_out_dir(args.out, "replay-generate")
+    path = out / "stream.jsonl"
+    lengths: list[float] = []
+    reused = 0
+    last_offset = 0.0
+    with path.open("w", encoding="utf-8") as handle:
+        def pairs():
+            nonlocal reused, last_offset
+            for i, item in enumerate(generate(config), start=1):
+                lengths.append(item.approx_prompt_tokens)
+                reused += item.reuses is not None
+                last_offset = item.request.offset_s
+                if i % 100 == 0 or i == config.count:
+                    print(f"generate: {i}/{config.count} requests", file=sys.stderr, flush=True)
+                yield item.request, item.extra_fields()
+
+        write_stream(handle, pairs())
+    dist = Distribution.of(lengths)
+    info = {
+        "stream": str(path),
+        "count": config.count,
+        "rate_per_s": config.rate_per_s,
+        "span_s": last_offset,
+        "seed": config.seed,
+        "reuse_share": config.reuse_share,
+        "prefix_share": config.prefix_share,
+        "reused_requests": reused,
+        "tokens_per_word": tokens_per_word,
+        "approx_prompt_tokens": {"p50": dist.p50, "p90": dist.p90, "min": dist.min, "max": dist.max,
+                                 "mean": dist.mean, "total": sum(lengths)},
+    }
+    (out / "generate.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {path}: {config.count} requests over {last_offset:.1f} s, {reused} reuse an earlier prefix, "
+          f"prompt tokens p50 {dist.p50:.0f} (approx), total {sum(lengths):.0f}")
+    return EXIT_OK
+
+
+async def _measure_ratio(url: str, model: str | None) -> float:
+    import aiohttp
+
+    from .replay import resolve_model
+    from .tokenizer_client import TokenizerClient, measure_tokens_per_word
+
+    async with aiohttp.ClientSession() as session:
+        name = await resolve_model(session, url, model, 10.0)
+        return await measure_tokens_per_word(TokenizerClient(session, url, name))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return command_run(args)
+        return command_generate(args)
+    except OpsError as exc:
+        return fail(str(exc), EXIT_ERROR, TOOL)
+    except KeyboardInterrupt:
+        return fail("interrupted", EXIT_INTERRUPTED, TOOL)

@@ -1,0 +1,124 @@
+"""The replay's written results: per-request CSV, summary JSON, the printed report."""
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .common import utc_iso
+from .records import RequestRecord
+from .gates import GateResult
+from .stats import THIRD_NAMES, Distribution, ReplaySummary
+
+CSV_COLUMNS = (
+    "id",
+    "offset_s",
+    "sent_s",
+    "sent_at_utc",
+    "send_lag_s",
+    "ttft_s",
+    "e2e_s",
+    "prompt_tokens",
+    "completion_tokens",
+    "tokens_source",
+    "cached_tokens",
+    "text_chunks",
+    "status",
+    "http_status",
+    "error",
+)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6f}"
+    return str(value)
+
+
+def record_row(record: RequestRecord) -> dict[str, str]:
+    values: dict[str, Any] = {
+        "id": record.id,
+        "offset_s": record.offset_s,
+        "sent_s": record.sent_s,
+        "sent_at_utc": utc_iso(record.sent_epoch_s) if record.sent_epoch_s is not None else None,
+        "send_lag_s": record.send_lag_s,
+        "ttft_s": record.ttft_s,
+        "e2e_s": record.e2e_s,
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.completion_tokens,
+        "tokens_source": record.tokens_source,
+        "cached_tokens": record.cached_tokens,
+        "text_chunks": record.text_chunks,
+        "status": record.status,
+        "http_status": record.http_status,
+        "error": record.error,
+    }
+    return {column: _cell(values[column]) for column in CSV_COLUMNS}
+
+
+def write_records_csv(path: Path, records: Sequence[RequestRecord]) -> None:
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for record in records:
+            writer.writerow(record_row(record))
+
+
+def read_records_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def write_summary_json(
+    path: Path,
+    summary: ReplaySummary,
+    gate_results: Sequence[GateResult],
+    passed: bool,
+    context: dict[str, Any],
+) -> None:
+    data = {
+        **context,
+        "summary": summary.to_json(),
+        "gates": [
+            {"gate": r.gate.description, "metric": r.gate.metric, "limit": r.gate.limit, "value": r.value, "passed": r.passed}
+            for r in gate_results
+        ],
+        "verdict": "PASS" if passed else "FAIL",
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _distribution_row(name: str, dist: Distribution) -> str:
+    return (
+        f"  {name:<13} {dist.count:>6} {_seconds(dist.p50):>8} {_seconds(dist.p90):>8}"
+        f" {_seconds(dist.p99):>8} {_seconds(dist.mean):>8}"
+    )
+
+
+def format_report(summary: ReplaySummary, gate_results: Sequence[GateResult], passed: bool) -> str:
+    lines = [
+        f"requests: {summary.requests} in the stream, {summary.sent} sent, {summary.ok} ok "
+        f"({summary.success_pct:.1f}%), {summary.failed} failed; run {summary.duration_s:.1f} s; "
+        f"peak in flight {summary.peak_in_flight}",
+    ]
+    if summary.failures_by_status:
+        lines.append(
+            "failures: " + ", ".join(f"{status} {count}" for status, count in sorted(summary.failures_by_status.items()))
+        )
+    lines.append(f"  {'TTFT (s)':<13} {'n':>6} {'p50':>8} {'p90':>8} {'p99':>8} {'mean':>8}")
+    lines.append(_distribution_row("overall", summary.ttft))
+    for name, dist in zip(THIRD_NAMES, summary.ttft_thirds):
+        lines.append(_distribution_row(name, dist))
+    lines.append(_distribution_row("e2e (s)", summary.e2e))
+    lines.append("gates:")
+    lines.extend("  " + result.line() for result in gate_results)
+    lines.append(f"verdict: {'PASS' if passed else 'FAIL'}")
+    return "\n".join(lines)

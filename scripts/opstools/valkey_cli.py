@@ -1,0 +1,164 @@
+"""``scripts/valkey-stats``: GET rate, time per GET and main-thread CPU of every Valkey shard."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import signal
+import sys
+import threading
+from dataclasses import asdict
+from pathlib import Path
+from types import FrameType
+
+from .common import (
+    EXIT_ERROR,
+    EXIT_FAILED,
+    EXIT_OK,
+    HelpFormatter,
+    OpsError,
+    fail,
+    positive_float,
+    positive_int,
+    prepare_out_dir,
+    utc_iso,
+)
+
+TOOL = "valkey-stats"
+
+DESCRIPTION = """\
+Every --interval seconds, read INFO commandstats and INFO cpu from every Valkey shard
+and report per interval: GET calls/s, server microseconds per GET, share of the
+main thread's time spent in GETs, and main-thread CPU (% of one core). Stops after
+--duration, or cleanly on Ctrl-C (SIGINT) or SIGTERM; outputs are written either way.
+
+examples:
+  scripts/valkey-stats --url-template 'resp://valkey-lmcache-{rank}.vllm.svc.cluster.local:6379' \\
+      --shards 8 --interval 5 --duration 600 --out work/ops/valkey-hh
+  scripts/valkey-stats --url resp://127.0.0.1:6379 --url resp://127.0.0.1:6380 --interval 1
+"""
+
+EPILOG = """\
+outputs in --out: intervals.csv (one row per shard and interval), summary.json,
+valkey_stats.png. URLs: resp://, redis://, valkey:// (rediss:// for TLS), user:password@
+and /db allowed. Exit: 0 done, 1 some samples failed, 2 error (a shard does not answer
+at the start, bad URL).
+"""
+
+CSV_COLUMNS = (
+    "shard", "url", "start_s", "end_s", "end_at_utc", "interval_s", "get_calls", "get_calls_per_s",
+    "get_usec_per_call", "get_busy_pct", "main_cpu_pct", "cpu_source", "other_calls_per_s", "error",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=TOOL, description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
+    parser.add_argument("--url-template", metavar="URL", help="shard URL with {rank}, e.g. resp://valkey-{rank}:6379")
+    parser.add_argument("--shards", type=positive_int, metavar="N", help="number of shards for --url-template")
+    parser.add_argument("--url", action="append", default=[], metavar="URL",
+                        help="a shard URL (repeat, or comma-separate, for more shards)")
+    parser.add_argument("--interval", type=positive_float, default=5.0, metavar="S", help="seconds between samples")
+    parser.add_argument("--duration", type=positive_float, metavar="S", help="stop after S seconds (default: Ctrl-C)")
+    parser.add_argument("--timeout", type=positive_float, default=3.0, metavar="S", help="per-shard INFO timeout")
+    parser.add_argument("--out", type=Path, help="output folder (default: work/ops/valkey-stats-<UTC time>/)")
+    parser.add_argument("--quiet", action="store_true", help="no per-interval lines")
+    return parser
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def write_intervals_csv(path: Path, intervals: list) -> None:
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for row in intervals:
+            values = asdict(row)
+            values["interval_s"] = row.interval_s
+            values["end_at_utc"] = utc_iso(row.end_epoch_s)
+            writer.writerow({c: _cell(values.get(c)) for c in CSV_COLUMNS})
+
+
+def format_interval_line(intervals: list) -> str:
+    good = [i for i in intervals if not i.error]
+    bad = [i for i in intervals if i.error]
+    if not good:
+        return "  ".join(f"shard {i.shard}: {i.error}" for i in bad) or "no data"
+    end = max(i.end_s for i in good)
+    total = sum(i.get_calls_per_s for i in good)
+    busiest = max(good, key=lambda i: i.main_cpu_pct)
+    usec = f"{busiest.get_usec_per_call:.0f} us/GET" if busiest.get_usec_per_call is not None else "no GETs"
+    line = (f"[{end:7.1f} s] GET/s all shards {total:9.1f} | busiest main thread: shard {busiest.shard} "
+            f"{busiest.main_cpu_pct:5.1f}% CPU, {busiest.get_busy_pct:5.1f}% in GETs, "
+            f"{busiest.get_calls_per_s:.1f} GET/s, {usec}")
+    if bad:
+        line += " | failed: " + ", ".join(f"shard {i.shard} ({i.error})" for i in bad)
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except OpsError as exc:
+        return fail(str(exc), EXIT_ERROR, TOOL)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from . import plots
+    from .valkey_sampler import Sampler, expand_targets, summarize_shards
+
+    targets = expand_targets(args.url_template, args.shards, args.url)
+    out = prepare_out_dir(args.out, TOOL)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    sampler = Sampler(targets, timeout_s=args.timeout)
+    try:
+        sampler.check_all()
+        until = f"for {args.duration:g} s" if args.duration else "until Ctrl-C"
+        print(f"{TOOL}: sampling {len(targets)} shard(s) every {args.interval:g} s {until}; results in {out}",
+              file=sys.stderr, flush=True)
+
+        def on_intervals(new: list) -> None:
+            if not args.quiet:
+                print(format_interval_line(new), file=sys.stderr, flush=True)
+
+        intervals = sampler.run(args.interval, args.duration, stop, on_intervals)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sampler.close()
+
+    write_intervals_csv(out / "intervals.csv", intervals)
+    summaries = summarize_shards(targets, intervals)
+    (out / "summary.json").write_text(json.dumps({
+        "interval_s": args.interval,
+        "shards": [asdict(s) for s in summaries],
+        "failed_samples": sampler.failed_samples,
+        "stopped_by_signal": stop.is_set(),
+    }, indent=2) + "\n", encoding="utf-8")
+    if intervals:
+        title = f"Valkey: {len(targets)} shard(s), {args.interval:g} s intervals"
+        plots.plot_valkey(out / "valkey_stats.png", intervals, title)
+    print(f"{'shard':>5} {'GET/s':>10} {'us/GET':>9} {'in GETs':>8} {'max':>7} {'main CPU':>9} {'max':>7}  url")
+    for s in summaries:
+        usec = f"{s.get_usec_per_call:.1f}" if s.get_usec_per_call is not None else "-"
+        print(f"{s.shard:>5} {s.mean_get_calls_per_s:>10.1f} {usec:>9} {s.mean_get_busy_pct:>7.1f}% "
+              f"{s.max_get_busy_pct:>6.1f}% {s.mean_main_cpu_pct:>8.1f}% {s.max_main_cpu_pct:>6.1f}%  {s.url}")
+    written = "intervals.csv, summary.json" + (", valkey_stats.png" if intervals else "")
+    print(f"written: {out}/{written}")
+    if sampler.failed_samples:
+        return fail(f"{sampler.failed_samples} sample(s) failed; see the error column of {out / 'intervals.csv'}",
+                    EXIT_FAILED, TOOL)
+    return EXIT_OK

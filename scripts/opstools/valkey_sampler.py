@@ -1,0 +1,317 @@
+"""Samples Valkey's server-side statistics from every shard, per interval.
+
+Each sample is one ``INFO commandstats cpu`` call per shard (one round trip,
+so the counters and CPU times are from the same instant), taken from all
+shards at once. Between two samples of a shard the sampler reports:
+
+``get_calls_per_s``
+    GET commands executed per second (``cmdstat_get.calls`` delta / elapsed).
+``get_usec_per_call``
+    server time per GET in that interval (``cmdstat_get.usec`` delta / calls
+    delta), not the lifetime average Valkey prints as ``usec_per_call``.
+``get_busy_pct``
+    share of wall-clock time the main thread spent executing GETs
+    (``usec`` delta / elapsed): the write-up's "73-91% on GETs".
+``main_cpu_pct``
+    CPU time of the main thread per wall-clock time, in % of one core:
+    ``used_cpu_user_main_thread + used_cpu_sys_main_thread`` where the server
+    reports them (Valkey 8, Redis 7), else ``used_cpu_user + used_cpu_sys`` of
+    the whole process (``cpu_source`` says which).
+``other_calls_per_s``
+    every other command except INFO (the sampler's own) per second.
+
+A counter that goes down (restart, ``CONFIG RESETSTAT``) starts a new
+baseline: that interval is reported with ``error = "counters reset"``.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from .common import OpsError
+
+SCHEMES = {"resp": False, "redis": False, "valkey": False, "tcp": False, "rediss": True, "valkeys": True}
+DEFAULT_PORT = 6379
+
+
+@dataclass(frozen=True)
+class ShardTarget:
+    rank: int
+    url: str
+    host: str
+    port: int
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
+    tls: bool = False
+
+
+def parse_shard_url(url: str, rank: int) -> ShardTarget:
+    """``resp://``, ``redis://``, ``valkey://`` (``rediss://``/``valkeys://`` for TLS) or ``host:port``."""
+    text = url.strip()
+    if "://" not in text:
+        text = "resp://" + text
+    parts = urlsplit(text)
+    if parts.scheme not in SCHEMES:
+        raise OpsError(f"shard URL {url!r}: unknown scheme {parts.scheme!r}; use resp://, redis:// or valkey://")
+    if not parts.hostname:
+        raise OpsError(f"shard URL {url!r}: no host")
+    try:
+        port = parts.port or DEFAULT_PORT
+    except ValueError:
+        raise OpsError(f"shard URL {url!r}: bad port") from None
+    db = 0
+    path = parts.path.strip("/")
+    if path:
+        if not path.isdigit():
+            raise OpsError(f"shard URL {url!r}: database must be a number, got {path!r}")
+        db = int(path)
+    return ShardTarget(
+        rank=rank,
+        url=url,
+        host=parts.hostname,
+        port=port,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+        db=db,
+        tls=SCHEMES[parts.scheme],
+    )
+
+
+def expand_targets(template: str | None, shards: int | None, urls: list[str]) -> list[ShardTarget]:
+    """Shards from a ``{rank}`` template and a count, or from a list of URLs (comma-separated allowed)."""
+    if template is not None:
+        if urls:
+            raise OpsError("give either --url-template with --shards, or --url, not both")
+        if "{rank}" not in template:
+            raise OpsError(f"--url-template {template!r}: has no '{{rank}}' to substitute")
+        if shards is None or shards < 1:
+            raise OpsError("--url-template needs --shards N (N >= 1)")
+        return [parse_shard_url(template.replace("{rank}", str(rank)), rank) for rank in range(shards)]
+    flat = [u for item in urls for u in item.split(",") if u.strip()]
+    if not flat:
+        raise OpsError("no shard to sample: give --url (repeatable) or --url-template with --shards")
+    return [parse_shard_url(u, rank) for rank, u in enumerate(flat)]
+
+
+@dataclass(frozen=True)
+class ServerSample:
+    at_s: float  # seconds after the sampler's start (monotonic, mid-call)
+    epoch_s: float
+    get_calls: int
+    get_usec: int
+    other_calls: int
+    cpu_s: float
+    cpu_source: str  # "main_thread" or "process"
+
+
+def sample_from_info(info: Mapping[str, Any], at_s: float, epoch_s: float) -> ServerSample:
+    """Turn a parsed ``INFO commandstats cpu`` answer into a sample."""
+    get = info.get("cmdstat_get") or {}
+    get_calls = int(get.get("calls", 0)) if isinstance(get, Mapping) else 0
+    get_usec = int(get.get("usec", 0)) if isinstance(get, Mapping) else 0
+    other = 0
+    for key, value in info.items():
+        if key.startswith("cmdstat_") and key not in ("cmdstat_get", "cmdstat_info") and isinstance(value, Mapping):
+            other += int(value.get("calls", 0))
+    if "used_cpu_user_main_thread" in info and "used_cpu_sys_main_thread" in info:
+        cpu = float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
+        source = "main_thread"
+    elif "used_cpu_user" in info and "used_cpu_sys" in info:
+        cpu = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+        source = "process"
+    else:
+        raise OpsError("INFO cpu has neither used_cpu_*_main_thread nor used_cpu_user/sys")
+    return ServerSample(at_s, epoch_s, get_calls, get_usec, other, cpu, source)
+
+
+@dataclass(frozen=True)
+class IntervalStats:
+    shard: int
+    url: str
+    start_s: float
+    end_s: float
+    end_epoch_s: float
+    get_calls: int
+    get_calls_per_s: float
+    get_usec_per_call: float | None
+    get_busy_pct: float
+    main_cpu_pct: float
+    other_calls_per_s: float
+    cpu_source: str
+    error: str = ""
+
+    @property
+    def interval_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+def interval_between(target: ShardTarget, before: ServerSample, after: ServerSample) -> IntervalStats:
+    elapsed = after.at_s - before.at_s
+    calls = after.get_calls - before.get_calls
+    usec = after.get_usec - before.get_usec
+    cpu = after.cpu_s - before.cpu_s
+    other = after.other_calls - before.other_calls
+    if calls < 0 or usec < 0 or other < 0 or cpu < 0 or elapsed <= 0:
+        return IntervalStats(target.rank, target.url, before.at_s, after.at_s, after.epoch_s, 0, 0.0, None, 0.0,
+                             0.0, 0.0, after.cpu_source, error="counters reset")
+    return IntervalStats(
+        shard=target.rank,
+        url=target.url,
+        start_s=before.at_s,
+        end_s=after.at_s,
+        end_epoch_s=after.epoch_s,
+        get_calls=calls,
+        get_calls_per_s=calls / elapsed,
+        get_usec_per_call=usec / calls if calls else None,
+        get_busy_pct=100.0 * usec / 1e6 / elapsed,
+        main_cpu_pct=100.0 * cpu / elapsed,
+        other_calls_per_s=other / elapsed,
+        cpu_source=after.cpu_source,
+    )
+
+
+class ShardClient:
+    """One connection to one shard (the ``valkey`` client package)."""
+
+    def __init__(self, target: ShardTarget, timeout_s: float) -> None:
+        import valkey
+
+        self.target = target
+        self._client = valkey.Valkey(
+            host=target.host, port=target.port, username=target.username, password=target.password,
+            db=target.db, ssl=target.tls, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        )
+
+    def info(self) -> Mapping[str, Any]:
+        return self._client.info("commandstats", "cpu")
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class Sampler:
+    """Samples all shards together every ``interval_s`` seconds until stopped."""
+
+    def __init__(self, targets: list[ShardTarget], timeout_s: float = 3.0,
+                 client_factory: Callable[[ShardTarget, float], Any] = ShardClient) -> None:
+        self.targets = targets
+        self.clients = [client_factory(t, timeout_s) for t in targets]
+        self._start = time.monotonic()
+        self._previous: list[ServerSample | None] = [None] * len(targets)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(targets)), thread_name_prefix="valkey-sample")
+        self.intervals: list[IntervalStats] = []
+        self.failed_samples = 0
+
+    def _sample_one(self, index: int) -> ServerSample | str:
+        client = self.clients[index]
+        try:
+            before = time.monotonic()
+            info = client.info()
+            after = time.monotonic()
+            return sample_from_info(info, (before + after) / 2 - self._start, time.time())
+        except OpsError as exc:
+            return str(exc)
+        except Exception as exc:  # the client's connection and protocol errors
+            return f"{type(exc).__name__}: {exc}"
+
+    def check_all(self) -> None:
+        """Take the baseline sample of every shard; raise naming each shard that does not answer."""
+        results = list(self._pool.map(self._sample_one, range(len(self.targets))))
+        errors = [f"{t.url}: {r}" for t, r in zip(self.targets, results) if isinstance(r, str)]
+        if errors:
+            raise OpsError("cannot sample " + "; ".join(errors))
+        self._previous = [r for r in results if not isinstance(r, str)]  # type: ignore[misc]
+
+    def sample(self) -> list[IntervalStats]:
+        """One sample of every shard; returns the intervals since each shard's previous sample."""
+        results = list(self._pool.map(self._sample_one, range(len(self.targets))))
+        now = time.monotonic() - self._start
+        new: list[IntervalStats] = []
+        for index, (target, result) in enumerate(zip(self.targets, results)):
+            previous = self._previous[index]
+            if isinstance(result, str):
+                self.failed_samples += 1
+                start = previous.at_s if previous is not None else now
+                new.append(IntervalStats(target.rank, target.url, start, now, time.time(), 0, 0.0, None, 0.0, 0.0,
+                                         0.0, "", error=result))
+                self._previous[index] = None
+                continue
+            if previous is not None:
+                new.append(interval_between(target, previous, result))
+            self._previous[index] = result
+        self.intervals.extend(new)
+        return new
+
+    def run(self, interval_s: float, duration_s: float | None, stop: threading.Event,
+            on_intervals: Callable[[list[IntervalStats]], None] | None = None) -> list[IntervalStats]:
+        """Sample on a fixed schedule (no drift) until ``stop`` is set or ``duration_s`` has passed."""
+        if all(p is None for p in self._previous):
+            self.check_all()
+        begin = time.monotonic()
+        tick = 1
+        while not stop.is_set():
+            due = begin + tick * interval_s
+            if duration_s is not None:
+                due = min(due, begin + duration_s)
+            if stop.wait(max(0.0, due - time.monotonic())):
+                break
+            new = self.sample()
+            if on_intervals is not None:
+                on_intervals(new)
+            if duration_s is not None and time.monotonic() - begin >= duration_s - 1e-6:
+                break
+            tick += 1
+        return self.intervals
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for client in self.clients:
+            try:
+                client.close()
+            except Exception:
+                pass
+
+
+@dataclass(frozen=True)
+class ShardSummary:
+    shard: int
+    url: str
+    intervals: int
+    get_calls: int
+    mean_get_calls_per_s: float
+    get_usec_per_call: float | None
+    mean_get_busy_pct: float
+    max_get_busy_pct: float
+    mean_main_cpu_pct: float
+    max_main_cpu_pct: float
+    failed_intervals: int
+
+
+def summarize_shards(targets: list[ShardTarget], intervals: list[IntervalStats]) -> list[ShardSummary]:
+    summaries = []
+    for target in targets:
+        rows = [i for i in intervals if i.shard == target.rank]
+        good = [i for i in rows if not i.error]
+        elapsed = sum(i.interval_s for i in good)
+        calls = sum(i.get_calls for i in good)
+        usec = sum((i.get_usec_per_call or 0.0) * i.get_calls for i in good)
+        summaries.append(ShardSummary(
+            shard=target.rank,
+            url=target.url,
+            intervals=len(good),
+            get_calls=calls,
+            mean_get_calls_per_s=calls / elapsed if elapsed else 0.0,
+            get_usec_per_call=usec / calls if calls else None,
+            mean_get_busy_pct=sum(i.get_busy_pct * i.interval_s for i in good) / elapsed if elapsed else 0.0,
+            max_get_busy_pct=max((i.get_busy_pct for i in good), default=0.0),
+            mean_main_cpu_pct=sum(i.main_cpu_pct * i.interval_s for i in good) / elapsed if elapsed else 0.0,
+            max_main_cpu_pct=max((i.main_cpu_pct for i in good), default=0.0),
+            failed_intervals=len(rows) - len(good),
+        ))
+    return summaries

@@ -1,0 +1,324 @@
+"""A stand-in for a vLLM engine's HTTP API, for the operator tools' tests and demos.
+
+Serves ``/v1/completions`` (streaming only), ``/v1/models``, ``/health``,
+``/tokenize``, ``/start_profile``, ``/stop_profile`` and
+``/reset_prefix_cache`` on 127.0.0.1, from a background thread.
+
+How a completion behaves:
+
+- A prompt that starts with ``@plan key=value ...`` on its first line follows
+  that plan (tests): ``ttft`` seconds to the first text chunk, ``chunks`` text
+  chunks ``gap`` seconds apart, ``status`` (HTTP status), ``empty`` empty-text
+  chunks sent at once before the first text, ``usage`` (0: no usage event),
+  ``tokens`` (completion_tokens reported in usage), ``malformed``
+  (``notjson``, ``nodone``, ``nochoices`` or ``json``: a plain JSON body),
+  ``error`` (1: an error event instead of text), ``close`` (1: drop the
+  connection after the first chunk).
+- Any other prompt is served by a simulated prefill engine: one prefill at a
+  time (FIFO), ``prefill_rate`` tokens/s for tokens not in its cache and
+  ``load_rate`` tokens/s for cached ones (a prefix cache of 256-token chunks,
+  tokens being whitespace-separated words), then one chunk per output token
+  every ``decode_gap`` seconds. A prompt containing a needle
+  (``secret code is XXXX-XXXX``) is answered with the code (or a wrong one when
+  ``needle_answer='wrong'``).
+
+Run it alone for a demo: ``python -m tests.ops.fake_engine --port 8000``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+CHUNK_TOKENS = 256
+NEEDLE = re.compile(r"secret code is ([A-Z0-9]{4}-[A-Z0-9]{4})")
+TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+def fake_token_count(text: str) -> int:
+    """The fake tokenizer: BOS + one token per word or punctuation mark, two for words over 7 characters."""
+    return 1 + sum(2 if len(t) > 7 else 1 for t in TOKEN.findall(text))
+
+
+@dataclass
+class Plan:
+    ttft: float = 0.01
+    chunks: int = 3
+    gap: float = 0.01
+    status: int = 200
+    empty: int = 0
+    usage: int = 1
+    tokens: int | None = None
+    malformed: str = ""
+    error: int = 0
+    close: int = 0
+
+
+def parse_plan(prompt: str) -> Plan | None:
+    if not prompt.startswith("@plan"):
+        return None
+    plan = Plan()
+    first_line = prompt.split("\n", 1)[0]
+    for item in first_line.split()[1:]:
+        key, _, value = item.partition("=")
+        current = getattr(plan, key)
+        if key == "malformed":
+            setattr(plan, key, value)
+        elif isinstance(current, float):
+            setattr(plan, key, float(value))
+        else:
+            setattr(plan, key, int(value))
+    return plan
+
+
+@dataclass
+class Arrival:
+    monotonic_s: float
+    path: str
+    body: dict[str, Any]
+
+
+@dataclass
+class FakeEngine:
+    prefill_rate: float = 200_000.0
+    load_rate: float = 2_000_000.0
+    decode_gap: float = 0.02
+    model: str = "fake-glm"
+    needle_answer: str = "correct"
+    profiling_enabled: bool = True
+    port: int = 0
+    arrivals: list[Arrival] = field(default_factory=list)
+    profile_calls: list[tuple[str, float]] = field(default_factory=list)
+    tokenize_calls: int = 0
+
+    def __post_init__(self) -> None:
+        self._cache: set[bytes] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._started = threading.Event()
+        self._prefill_lock: asyncio.Lock | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # -- lifecycle -------------------------------------------------------
+    def start(self) -> FakeEngine:
+        self._thread = threading.Thread(target=self._serve, name="fake-engine", daemon=True)
+        self._thread.start()
+        if not self._started.wait(10):
+            raise RuntimeError("fake engine did not start")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is None or self._runner is None:
+            return
+        future = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+        try:
+            future.result(10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(10)
+            self._runner = None
+
+    async def _shutdown(self) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+    def __enter__(self) -> FakeEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        self._prefill_lock = asyncio.Lock()
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/start_profile", self._profile)
+        app.router.add_post("/stop_profile", self._profile)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, backlog=1024)
+        loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._started.set()
+        loop.run_forever()
+        loop.close()
+
+    # -- handlers --------------------------------------------------------
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.tokenize_calls += 1
+        count = fake_token_count(body["prompt"])
+        return web.json_response({"count": count, "max_model_len": 262_144, "tokens": list(range(count))})
+
+    async def _profile(self, request: web.Request) -> web.Response:
+        if not self.profiling_enabled:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        self.profile_calls.append((request.path, time.monotonic()))
+        return web.Response(status=200)
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.profile_calls.append((request.path, time.monotonic()))
+        return web.json_response({"success": True})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
+        body = await request.json()
+        self.arrivals.append(Arrival(arrived, request.path, body))
+        prompt = body.get("prompt")
+        plan = parse_plan(prompt) if isinstance(prompt, str) else None
+        if plan is not None:
+            return await self._planned(request, body, plan, arrived)
+        return await self._simulated(request, body)
+
+    @staticmethod
+    def _chunk(text: str, finish: str | None = None) -> bytes:
+        event = {"id": "cmpl-fake", "object": "text_completion", "model": "fake",
+                 "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+        return f"data: {json.dumps(event)}\n\n".encode()
+
+    @staticmethod
+    def _usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> bytes:
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                 "total_tokens": prompt_tokens + completion_tokens}
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return f"data: {json.dumps({'id': 'cmpl-fake', 'choices': [], 'usage': usage})}\n\n".encode()
+
+    async def _open_stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        return response
+
+    async def _planned(self, request: web.Request, body: dict[str, Any], plan: Plan, arrived: float) -> web.StreamResponse:
+        if plan.status != 200:
+            await asyncio.sleep(plan.ttft)
+            return web.json_response({"error": {"message": f"planned status {plan.status}"}}, status=plan.status)
+        if plan.malformed == "json":
+            await asyncio.sleep(plan.ttft)
+            return web.json_response({"choices": [{"text": "not streamed"}]})
+        response = await self._open_stream(request)
+        for _ in range(plan.empty):
+            await response.write(self._chunk(""))
+        await asyncio.sleep(max(0.0, arrived + plan.ttft - time.monotonic()))
+        if plan.malformed == "notjson":
+            await response.write(b"data: {this is not json\n\n")
+            await response.write_eof()
+            return response
+        if plan.malformed == "nochoices":
+            await response.write(b'data: {"id": "x", "object": "text_completion"}\n\n')
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        if plan.error:
+            await response.write(b'data: {"error": {"message": "planned engine error", "code": 500}}\n\n')
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        for i in range(plan.chunks):
+            if i:
+                await asyncio.sleep(plan.gap)
+            await response.write(self._chunk(f" tok{i}", "length" if i == plan.chunks - 1 else None))
+            if plan.close:
+                assert request.transport is not None
+                request.transport.abort()
+                return response
+        want_usage = plan.usage and (body.get("stream_options") or {}).get("include_usage")
+        if want_usage:
+            tokens = plan.tokens if plan.tokens is not None else plan.chunks
+            await response.write(self._usage(len(str(body.get("prompt", "")).split()), tokens))
+        if plan.malformed != "nodone":
+            await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _chunk_hashes(self, tokens: list[str]) -> list[bytes]:
+        hashes = []
+        running = hashlib.sha256()
+        for start in range(0, len(tokens) - CHUNK_TOKENS + 1, CHUNK_TOKENS):
+            running.update(" ".join(tokens[start : start + CHUNK_TOKENS]).encode())
+            hashes.append(running.copy().digest())
+        return hashes
+
+    async def _simulated(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        prompt = body.get("prompt")
+        tokens = [str(t) for t in prompt] if isinstance(prompt, list) else str(prompt).split()
+        hashes = self._chunk_hashes(tokens)
+        max_tokens = int(body.get("max_tokens") or 16)
+        assert self._prefill_lock is not None
+        async with self._prefill_lock:
+            cached_chunks = 0
+            for digest in hashes:
+                if digest not in self._cache:
+                    break
+                cached_chunks += 1
+            cached = cached_chunks * CHUNK_TOKENS
+            await asyncio.sleep((len(tokens) - cached) / self.prefill_rate + cached / self.load_rate)
+            self._cache.update(hashes)
+        response = await self._open_stream(request)
+        text = prompt if isinstance(prompt, str) else ""
+        needle = NEEDLE.search(text)
+        if needle is not None:
+            answer = needle.group(1) if self.needle_answer == "correct" else "0000-0000"
+            pieces = [f" {answer}", "."]
+        else:
+            pieces = [f" w{i}" for i in range(min(max_tokens, 64))]
+        for i, piece in enumerate(pieces):
+            if i:
+                await asyncio.sleep(self.decode_gap)
+            await response.write(self._chunk(piece, "length" if i == len(pieces) - 1 else None))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await response.write(self._usage(len(tokens) + 1, len(pieces), cached))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run the fake engine on 127.0.0.1 until Ctrl-C.")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--prefill-rate", type=float, default=200_000.0, help="uncached tokens/s")
+    parser.add_argument("--load-rate", type=float, default=2_000_000.0, help="cached tokens/s")
+    parser.add_argument("--decode-gap", type=float, default=0.02)
+    args = parser.parse_args()
+    engine = FakeEngine(prefill_rate=args.prefill_rate, load_rate=args.load_rate, decode_gap=args.decode_gap,
+                        port=args.port).start()
+    print(f"fake engine on {engine.url}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        engine.stop()
+
+
+if __name__ == "__main__":
+    main()
