@@ -61,21 +61,28 @@ def _requirements_hash(tree: Path, extra: list[Path]) -> str:
 
 
 def ensure_venv(venv: Path, tree: Path, logs: Path, extra: list[Path]) -> Path:
-    """A venv with torch and LMCache's build and test requirements (not LMCache)."""
+    """A venv with torch and LMCache's build and test requirements (not LMCache).
+
+    A changed requirements file reinstalls into the existing venv (pip keeps
+    what is already satisfied); only a missing or broken venv is recreated.
+    """
     python = venv / "bin" / "python"
     stamp = venv / "dist-requirements"
     wanted = _requirements_hash(tree, extra)
     if python.exists() and stamp.is_file() and stamp.read_text() == wanted:
         return python
-    if venv.exists():
-        shutil.rmtree(venv)
-    print(f"creating {venv} (torch CPU, LMCache build and test requirements)", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     constraints = venv / "dist-constraints.txt"
-    constraints.write_text(TORCH + "\n")
     pip = [str(python), "-m", "pip", "install", "--progress-bar", "off", "-c", str(constraints)]
+    healthy = python.exists() and subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode == 0
+    if not healthy:
+        shutil.rmtree(venv, ignore_errors=True)
+        print(f"creating {venv} (torch CPU, LMCache build and test requirements)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        constraints.write_text(TORCH + "\n")
+        _run([*pip, TORCH], logs / f"{venv.name}-torch.log")
+    else:
+        print(f"updating {venv}: requirements changed", flush=True)
     req = tree / "requirements"
-    _run([*pip, TORCH], logs / f"{venv.name}-torch.log")
     # One resolve for all three files: build.txt pins grpcio, which common.txt's
     # grpcio-status would otherwise upgrade past.
     _run([*pip, "-r", str(req / "build.txt"), "-r", str(req / "common.txt"), "-r", str(req / "test.txt"),
