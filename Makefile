@@ -6,7 +6,7 @@ WORK ?= $(CURDIR)/work
 DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
 FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
 
-.PHONY: help image test sources fetch patched export health manifest lint pin peer-record clean
+.PHONY: help image test sources fetch patched export health manifest lint pin peer-record audit clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -48,6 +48,11 @@ pin: ## add or refresh a pin: make pin SPEC=name==ver FILE=file ROLE=image [WRIT
 
 peer-record: ## run LMCache's CPU suite on the pristine build and record which tests pass
 	$(DIST) peer-record
+
+TARGET_ARG := $(if $(TARGET),--target $(TARGET),)
+audit: ## arch audit gate: make audit AUDIT_PATH=dir|file|oci-archive [TARGET=sm_103] [ALLOWLIST=f] [JSON=out]
+	@test -n "$(AUDIT_PATH)" || { echo "make audit: set AUDIT_PATH=a folder, a .so/.cubin/.fatbin, an OCI layout folder or an oci-archive tar" >&2; exit 2; }
+	$(DIST) audit $(TARGET_ARG) $(if $(ALLOWLIST),--allowlist $(ALLOWLIST)) $(if $(JSON),--json $(JSON)) $(AUDIT_PATH)
 
 clean: ## remove work/ except the download cache
 	find $(WORK) -mindepth 1 -maxdepth 1 ! -name cache -exec rm -rf {} +

@@ -215,6 +215,24 @@ def cmd_peer_record(args: argparse.Namespace, layout: Layout) -> int:
     return testrun.record_peer(layout.repo, layout.work, python, envs["pristine"], pristine_src)
 
 
+def cmd_audit(args: argparse.Namespace, layout: Layout) -> int:
+    """Arch audit gate (see audit.py): exit 1 when uncovered code cannot run natively on the target."""
+    from . import audit as audit_step
+    from .toolchain import ensure_toolchain
+
+    def cuda_home() -> Path:
+        return ensure_toolchain(pins_step.load(layout.pins_file), layout.cache, layout.work / "toolchain", _client)
+
+    tool = audit_step.find_cuobjdump(args.cuobjdump, cuda_home)
+    allow = audit_step.load_allowlist(Path(args.allowlist)) if args.allowlist else []
+    report = audit_step.audit(Path(args.path), args.target, tool, allow)
+    print(audit_step.format_report(report))
+    if args.json:
+        audit_step.write_json(report, Path(args.json))
+        print(f"wrote     {args.json}")
+    return 0 if report.passed else 1
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distbuild", description=__doc__)
     p.add_argument("--work", help="output folder (default: work/ in the repository, or $DIST_WORK)")
@@ -268,6 +286,14 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("peer-record", help="record which LMCache CPU tests pass on the pristine build")
     s.set_defaults(func=cmd_peer_record)
+
+    s = sub.add_parser("audit", help="arch audit gate: CUDA code in a folder, file or OCI image vs a target GPU")
+    s.add_argument("path", help="folder, shared object/cubin/fatbin, OCI layout folder or oci-archive tar")
+    s.add_argument("--target", default="sm_103", help="GPU architecture (default: sm_103, B300)")
+    s.add_argument("--allowlist", help="file of `GLOB  REASON` lines for code allowed to stay unrunnable")
+    s.add_argument("--json", help="write the full report here")
+    s.add_argument("--cuobjdump", help="cuobjdump to use (default: $DIST_CUDA_HOME/bin, else the pinned toolchain)")
+    s.set_defaults(func=cmd_audit)
 
     s = sub.add_parser("pristine-tree", help="write the pristine tree of an upstream into DEST")
     s.add_argument("upstream")
