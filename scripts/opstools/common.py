@@ -1,12 +1,10 @@
-"""What every tool shares: exit codes, the error type, output folders, progress lines."""
+"""What every tool shares: exit codes, the error type, output folders, argument types."""
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TextIO
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the tool ran, and what it checked did not pass
@@ -19,11 +17,11 @@ class OpsError(Exception):
 
 
 def utc_stamp() -> str:
-    return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
 
 
 def utc_iso(epoch_s: float) -> str:
-    return datetime.fromtimestamp(epoch_s, timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec="milliseconds")
 
 
 def default_out_dir(tool: str) -> Path:
@@ -54,16 +52,6 @@ def positive_float(text: str) -> float:
     return value
 
 
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -83,23 +71,6 @@ def fraction(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
     return value
-
-
-class ProgressLine:
-    """Prints a status line to stderr at most every ``interval_s`` seconds."""
-
-    def __init__(self, interval_s: float = 5.0, stream: TextIO | None = None, enabled: bool = True) -> None:
-        self.interval_s = interval_s
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
-        self._last = float("-inf")
-
-    def maybe(self, text: str, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.enabled or (not force and now - self._last < self.interval_s):
-            return
-        self._last = now
-        print(text, file=self.stream, flush=True)
 
 
 def fail(message: str, code: int = EXIT_ERROR, tool: str = "") -> int:

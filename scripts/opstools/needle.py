@@ -91,9 +91,13 @@ class FittedPrompt:
         return self.tokens == self.spec.target_tokens
 
 
-async def fit_prompt(spec: NeedleSpec, salt: str, count: TokenCounter, max_calls: int = 40) -> FittedPrompt:
+async def fit_prompt(
+    spec: NeedleSpec, salt: str, count: TokenCounter, max_calls: int = 40, like: FittedPrompt | None = None
+) -> FittedPrompt:
     """Find filler and pad so the prompt has ``spec.target_tokens`` tokens by ``count``.
 
+    ``like``: a prompt fitted with another salt; its filler and pad are tried
+    first, so prompts whose salts count the same differ only in the salt line.
     Returns the closest prompt at or below the target when no exact fit is
     found within ``max_calls`` tokenizer calls (``FittedPrompt.exact`` tells).
     """
@@ -108,6 +112,10 @@ async def fit_prompt(spec: NeedleSpec, salt: str, count: TokenCounter, max_calls
             calls += 1
             cache[key] = await count(build_prompt(spec, salt, words, pad))
         return cache[key]
+
+    if like is not None and await tokens(like.filler_words, like.pad_words) == target:
+        text = build_prompt(spec, salt, like.filler_words, like.pad_words)
+        return FittedPrompt(spec, salt, text, target, like.filler_words, like.pad_words, calls)
 
     base = await tokens(0)
     if base > target:

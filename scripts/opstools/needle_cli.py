@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lengths", type=lengths_list, default=list(DEFAULT_LENGTHS), metavar="N,N,...",
                         help="prompt lengths in tokens")
     parser.add_argument("--seed", type=int, default=0, help="seed of codes, depths and filler")
-    parser.add_argument("--salt", help="salt of the first three phases (default: random per run); "
-                                       "cold-again uses SALT-again")
+    parser.add_argument("--salt", help="salt (default: random per run); the first three phases use "
+                                       "SALT-first, cold-again uses SALT-again")
     parser.add_argument("--phases", default=",".join(PHASES), metavar="P,P,...",
                         help=f"phases to run, in order, from {','.join(PHASES)}")
     parser.add_argument("--skip-restart", action="store_true", help="do not pause for a restart; leave phase l2 out")
@@ -165,7 +165,9 @@ async def wait_until_serving(session: Any, base_url: str, timeout_s: float) -> N
     raise OpsError(f"{url}: the engine did not serve again within {timeout_s:g} s (last: {last})")
 
 
-async def _fit_all(args: argparse.Namespace, session: Any, model: str, salts: dict[str, str]) -> dict[str, list[FittedPrompt]]:
+async def _fit_all(
+    args: argparse.Namespace, session: Any, model: str, salts: dict[str, str]
+) -> dict[str, list[FittedPrompt]]:
     from .tokenizer_client import TokenizerClient
 
     tokenizer = TokenizerClient(session, args.url, model)
@@ -173,8 +175,9 @@ async def _fit_all(args: argparse.Namespace, session: Any, model: str, salts: di
     fitted: dict[str, list[FittedPrompt]] = {}
     for salt_name, salt in salts.items():
         fitted[salt_name] = []
-        for spec in specs:
-            prompt = await fit_prompt(spec, salt, tokenizer.count)
+        for index, spec in enumerate(specs):
+            like = fitted["first"][index] if salt_name != "first" else None
+            prompt = await fit_prompt(spec, salt, tokenizer.count, like=like)
             note = "" if prompt.exact else f" (closest reachable; {prompt.tokens - spec.target_tokens:+d})"
             _say(f"needle: fitted {spec.target_tokens} tokens with salt {salt}: {prompt.tokens} tokens, "
                  f"code at depth {spec.depth:.2f}, {prompt.tokenize_calls} tokenize calls{note}")
@@ -203,14 +206,14 @@ async def _ask(session: Any, args: argparse.Namespace, model: str, prompt: Fitte
                   record.prompt_tokens, record.text, record.error)
 
 
-async def _run(args: argparse.Namespace, out: Path, phases: list[str]) -> list[Answer]:
+async def _run(args: argparse.Namespace, out: Path, phases: list[str], answers: list[Answer]) -> None:
+    """Fit the prompts and run the phases; ``answers`` grows as they come (kept on errors)."""
     import aiohttp
 
     from .replay import resolve_model
 
     salt = args.salt or "n" + secrets.token_hex(6)
-    salts = {"first": f"{salt}", "again": f"{salt}-again"}
-    answers: list[Answer] = []
+    salts = {"first": f"{salt}-first", "again": f"{salt}-again"}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         model = await resolve_model(session, args.url, args.model, 10.0)
@@ -226,7 +229,7 @@ async def _run(args: argparse.Namespace, out: Path, phases: list[str]) -> list[A
                         "pad_words": p.pad_words, "seed": args.seed, "prompt": p.text,
                     }) + "\n")
         if args.dry_run:
-            return answers
+            return
         for phase in phases:
             if phase == "l1" and args.reset_prefix_cache:
                 url = args.url.rstrip("/") + "/reset_prefix_cache"
@@ -253,7 +256,6 @@ async def _run(args: argparse.Namespace, out: Path, phases: list[str]) -> list[A
                 detail = f" ({answer.error})" if answer.error else ""
                 _say(f"  {prompt.tokens:>7} tokens  {phase:<10} TTFT {ttft:>9}  {verdict}: "
                      f"{answer.text.strip()[:40]!r}{detail}")
-    return answers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         out = prepare_out_dir(args.out, TOOL)
         answers: list[Answer] = []
         try:
-            answers = asyncio.run(_run(args, out, phases))
+            asyncio.run(_run(args, out, phases, answers))
         finally:
             _write_results(out, answers)
     except OpsError as exc:

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .records import RequestRecord
 from .gates import GateResult
+from .records import RequestRecord
 from .stats import THIRD_NAMES, ReplaySummary, in_flight_steps, third_boundaries
 
 if TYPE_CHECKING:
@@ -26,6 +26,10 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _metric_name(metric: str) -> str:
+    return "mean" if metric == "mean" else metric.upper()
 
 
 def _gate_limits(gate_results: Sequence[GateResult]) -> dict[str, float]:
@@ -45,13 +49,17 @@ def plot_ttft_over_time(
         ax.scatter([r.sent_s for r in bad], [0.0] * len(bad), marker="x", s=30, color="tab:red",
                    label=f"failed ({len(bad)}), drawn at 0", zorder=3)
     limits = _gate_limits(gate_results)
-    styles = {"p50": ("tab:orange", "--"), "p90": ("tab:red", "--"), "mean": ("tab:green", ":"), "p99": ("tab:purple", "-.")}
+    styles = {
+        "p50": ("tab:orange", "--"), "p90": ("tab:red", "--"), "mean": ("tab:green", ":"), "p99": ("tab:purple", "-."),
+    }
     top = max([r.ttft_s for r in ok], default=1.0)
     for metric, limit in limits.items():
         color, style = styles.get(metric, ("gray", "--"))
-        label = f"gate: {metric.upper() if metric != 'mean' else 'mean'} < {limit:g} s"
+        label = f"gate: {_metric_name(metric)} < {limit:g} s"
         if limit <= top * 1.5:
             ax.axhline(limit, color=color, linestyle=style, linewidth=1, label=label)
+        else:  # far above the data: name it rather than squash the points
+            ax.plot([], [], color=color, linestyle=style, linewidth=1, label=f"{label} (above the plot)")
     bounds = third_boundaries(records)
     for x in bounds:
         ax.axvline(x, color="gray", linestyle=":", linewidth=1)
@@ -63,12 +71,13 @@ def plot_ttft_over_time(
                 continue
             ax.hlines(dist.p50, edges[i], edges[i + 1], color="black", linewidth=2,
                       label="median per third" if i == 0 else None)
-            ax.annotate(f"p50 {dist.p50:.2f} s", ((edges[i] + edges[i + 1]) / 2, dist.p50),
-                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+            ax.annotate(f"{name}: p50 {dist.p50:.2f} s", ((edges[i] + edges[i + 1]) / 2, dist.p50),
+                        textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8,
+                        bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85})
     ax.set_xlabel("send time (s after start)")
     ax.set_ylabel("time to first token (s)")
     ax.set_ylim(bottom=0)
-    ax.set_title(title)
+    ax.set_title(f"TTFT over send time, thirds dotted | {title}")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
@@ -92,14 +101,16 @@ def plot_ttft_cdf(
         if value is not None:
             ax.axvline(value, color=color, linewidth=1, alpha=0.6, label=f"{name} {value:.2f} s")
     for metric, limit in _gate_limits(gate_results).items():
+        label = f"gate: {_metric_name(metric)} < {limit:g} s"
         if values and limit <= values[-1] * 1.5:
-            ax.axvline(limit, color="black", linestyle="--", linewidth=1,
-                       label=f"gate {metric} < {limit:g} s")
+            ax.axvline(limit, color="black", linestyle="--", linewidth=1, label=label)
+        else:
+            ax.plot([], [], color="black", linestyle="--", linewidth=1, label=f"{label} (off the right)")
     ax.set_xlabel("time to first token (s)")
     ax.set_ylabel("share of requests")
     ax.set_ylim(0, 1.02)
     ax.set_xlim(left=0)
-    ax.set_title(title)
+    ax.set_title(f"TTFT CDF (share of all requests) | {title}")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -125,7 +136,7 @@ def plot_in_flight(path: Path, records: Sequence[RequestRecord], summary: Replay
     ax.set_xlabel("time (s after start)")
     ax.set_ylabel("requests in flight")
     ax.set_ylim(bottom=0)
-    ax.set_title(title)
+    ax.set_title(f"Requests in flight | {title}")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
@@ -133,28 +144,45 @@ def plot_in_flight(path: Path, records: Sequence[RequestRecord], summary: Replay
 
 
 def plot_valkey(path: Path, intervals: Sequence[IntervalStats], title: str) -> None:
-    """Three stacked panels sharing the time axis, one line per shard."""
+    """Three stacked panels sharing the time axis, one colour per shard.
+
+    Bottom panel: main-thread CPU (solid) and the share of wall-clock time the
+    server spent executing GETs (dashed), both in % of one core.
+    """
     plt = _pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
     shards = sorted({i.shard for i in intervals})
-    for shard in shards:
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    top = 0.0
+    for n, shard in enumerate(shards):
+        color = colors[n % len(colors)]
         rows = [i for i in intervals if i.shard == shard and i.error == ""]
         xs = [i.end_s for i in rows]
         label = f"shard {shard}"
-        axes[0].plot(xs, [i.get_calls_per_s for i in rows], marker=".", label=label)
+        axes[0].plot(xs, [i.get_calls_per_s for i in rows], marker=".", color=color, label=label)
         axes[1].plot(xs, [i.get_usec_per_call if i.get_usec_per_call is not None else float("nan") for i in rows],
-                     marker=".", label=label)
-        axes[2].plot(xs, [i.main_cpu_pct for i in rows], marker=".", label=label)
+                     marker=".", color=color, label=label)
+        axes[2].plot(xs, [i.main_cpu_pct for i in rows], marker=".", color=color,
+                     label=f"shard {shard}: main-thread CPU")
+        axes[2].plot(xs, [i.get_busy_pct for i in rows], linestyle="--", color=color,
+                     label=f"shard {shard}: executing GETs")
+        top = max([top, *(i.main_cpu_pct for i in rows), *(i.get_busy_pct for i in rows)])
+        failed = [i for i in intervals if i.shard == shard and i.error]
+        if failed:
+            axes[0].plot([i.end_s for i in failed], [0] * len(failed), "x", color="red", markersize=8,
+                         label="failed sample" if n == 0 else None)
     axes[0].set_ylabel("GET calls / s")
     axes[1].set_ylabel("µs per GET (server time)")
-    axes[2].set_ylabel("main thread CPU (% of one core)")
-    axes[2].axhline(100, color="red", linestyle="--", linewidth=1)
+    axes[2].set_ylabel("% of wall-clock time")
+    if top > 50:
+        axes[2].axhline(100, color="red", linestyle=":", linewidth=1)
     axes[2].set_xlabel("time (s after start)")
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.set_ylim(bottom=0)
-    if len(shards) <= 16:
-        axes[0].legend(loc="upper right", fontsize=8, ncol=min(len(shards), 4))
+    if len(shards) <= 8:
+        axes[0].legend(loc="upper right", fontsize=8, ncol=min(len(shards) + 1, 4))
+        axes[2].legend(loc="upper right", fontsize=7, ncol=2)
     axes[0].set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)

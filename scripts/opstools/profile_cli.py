@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     group = win.add_mutually_exclusive_group()
     group.add_argument("--seconds", type=positive_float, default=10.0, help="window length")
     group.add_argument("--run", metavar="CMD", help="shell command to run inside the window (e.g. a replay)")
-    win.add_argument("--pyspy", action="store_true", help="py-spy dump of the engine in the middle of the window")
+    win.add_argument("--pyspy", action="store_true",
+                     help="py-spy dump of the engine in the middle of the window (1 s after --run starts)")
     win.add_argument("--root-pid", type=positive_int, help="for --pyspy: dump this process tree")
     win.add_argument("--py-spy", dest="pyspy_path", default="py-spy", help="the py-spy executable")
     win.add_argument("--endpoint-timeout", type=positive_float, default=300.0, metavar="S",

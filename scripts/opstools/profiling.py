@@ -144,6 +144,7 @@ class ProcessInfo:
     ppid: int
     name: str  # /proc/<pid>/comm
     cmdline: str
+    exe: str = ""  # target of /proc/<pid>/exe, when readable
 
     @property
     def title(self) -> str:
@@ -172,7 +173,11 @@ def list_processes(proc_root: Path = Path("/proc")) -> dict[int, ProcessInfo]:
         except (IndexError, ValueError):
             continue
         cmdline = _read(entry / "cmdline").replace("\x00", " ").strip()
-        processes[int(entry.name)] = ProcessInfo(int(entry.name), ppid, _read(entry / "comm").strip(), cmdline)
+        try:
+            exe = os.readlink(entry / "exe")
+        except OSError:
+            exe = ""
+        processes[int(entry.name)] = ProcessInfo(int(entry.name), ppid, _read(entry / "comm").strip(), cmdline, exe)
     return processes
 
 
@@ -193,14 +198,32 @@ def descendants(root_pid: int, processes: dict[int, ProcessInfo]) -> list[Proces
 
 
 def is_engine_process(info: ProcessInfo, title_prefix: str = DEFAULT_TITLE_PREFIX) -> bool:
-    """A vLLM process: titled ``VLLM::...`` or running ``vllm serve`` / a vLLM entrypoint."""
+    """A vLLM process: titled ``VLLM::...``, or ``vllm serve`` / a vLLM entrypoint run by Python.
+
+    A wrapper whose arguments name vLLM (``nsys profile ... vllm serve``) is not one.
+    """
     text = info.cmdline
+    if text.startswith(title_prefix) or info.name.startswith(title_prefix[:15]):
+        return True
+    words = text.split()
+    if not words:
+        return False
+    program = os.path.basename(words[0])
+    if program == "vllm":
+        return words[1:2] == ["serve"]
+    if "python" in program:
+        script = [os.path.basename(w) for w in words[1:3]]
+        return "vllm" in script or "vllm.entrypoints" in text
+    return False
+
+
+def is_python_process(info: ProcessInfo, title_prefix: str = DEFAULT_TITLE_PREFIX) -> bool:
+    """What py-spy can read: a Python executable, or a vLLM process (its title hides the interpreter)."""
+    first_word = info.cmdline.split(" ", 1)[0]
     return (
-        text.startswith(title_prefix)
-        or info.name.startswith(title_prefix[:15])
-        or " vllm serve" in f" {text}"
-        or "/vllm serve" in text
-        or "vllm.entrypoints" in text
+        "python" in os.path.basename(info.exe)
+        or "python" in os.path.basename(first_word)
+        or is_engine_process(info, title_prefix)
     )
 
 
@@ -209,11 +232,12 @@ def find_engine_processes(
     title_prefix: str = DEFAULT_TITLE_PREFIX,
     proc_root: Path = Path("/proc"),
 ) -> list[ProcessInfo]:
-    """Engine processes: the tree under ``root_pid`` (all of it), else every vLLM-looking process."""
+    """Engine processes: the Python processes of the tree under ``root_pid`` (an ``nsys`` or
+    shell wrapper above them is left out), else every vLLM-looking process."""
     processes = list_processes(proc_root)
     own = os.getpid()
     if root_pid is not None:
-        return [p for p in descendants(root_pid, processes) if p.pid != own]
+        return [p for p in descendants(root_pid, processes) if p.pid != own and is_python_process(p, title_prefix)]
     return sorted(
         (p for p in processes.values() if p.pid != own and is_engine_process(p, title_prefix)),
         key=lambda p: p.pid,
@@ -263,7 +287,9 @@ def dump_stacks(
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
             text, code = done.stdout + done.stderr, done.returncode
         except FileNotFoundError:
-            raise OpsError(f"{pyspy}: not found; install it (python3 -m pip install py-spy) or pass --py-spy PATH") from None
+            raise OpsError(
+                f"{pyspy}: not found; install it (python3 -m pip install py-spy) or pass --py-spy PATH"
+            ) from None
         except subprocess.TimeoutExpired:
             text, code = f"py-spy dump timed out after {timeout_s:g} s\n", 124
         header = f"# {shlex.join(command)}\n# pid {process.pid} ppid {process.ppid}: {process.title}\n# exit {code}\n"

@@ -30,11 +30,12 @@ TOOL = "replay"
 DESCRIPTION = """\
 Replay a JSONL request stream against an OpenAI-compatible endpoint, open loop
 (each request is sent at its offset, however slow the server), and judge the
-TTFT against SLA gates. Stream format: scripts/README.md or
-`python3 -c "import opstools.stream as s; help(s)"` from scripts/.
+TTFT against SLA gates. Stream format: scripts/README.md (and the docstring of
+scripts/opstools/stream.py).
 
   replay run STREAM --url URL     replay, report, gate (exit 0 pass, 1 gate failed, 2 error)
   replay generate --count N ...   write a synthetic stream
+  replay report RECORDS.csv       judge an earlier run again, with other gates
 
 example:
   scripts/replay generate --count 450 --rate 1.2 --reuse-share 0.9 --seed 7 --out work/ops/hit-heavy
@@ -49,6 +50,14 @@ stream, dead endpoint, malformed event stream; records taken so far are still wr
 
 example:
   scripts/replay run stream.jsonl --url http://127.0.0.1:8000 --gate-p90 60 --gate-p99 off
+"""
+
+REPORT_EPILOG = """\
+Reads the records.csv of an earlier run, prints the report, writes summary.json and the
+PNGs into --out. Exit 0 pass, 1 a gate failed, 2 error.
+
+example:
+  scripts/replay report work/ops/replay-hh/records.csv --gate-p90 60 --gate-p99 120 --out work/ops/rejudged
 """
 
 GENERATE_EPILOG = """\
@@ -91,9 +100,22 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _add_gate_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gate-p90", type=gate_limit, default=gate_rules.DEFAULT_P90_S, metavar="S",
+                        help="TTFT P90 must be below S seconds ('off' to skip)")
+    parser.add_argument("--gate-p50", type=gate_limit, default=gate_rules.DEFAULT_P50_S, metavar="S",
+                        help="TTFT P50 must be below S seconds")
+    parser.add_argument("--gate-mean", type=gate_limit, default=gate_rules.DEFAULT_MEAN_S, metavar="S",
+                        help="mean TTFT must be below S seconds")
+    parser.add_argument("--gate-p99", type=gate_limit, default=None, metavar="S",
+                        help="TTFT P99 must be below S seconds (off by default)")
+    parser.add_argument("--gate-success", type=success_limit, default=gate_rules.DEFAULT_SUCCESS_PCT,
+                        metavar="PCT", help="share of the stream's requests that must succeed, in percent")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="replay", description=DESCRIPTION, formatter_class=HelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,generate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,generate,report}")
 
     run = sub.add_parser("run", help="replay a stream and gate its TTFT", epilog=RUN_EPILOG,
                          formatter_class=HelpFormatter)
@@ -101,16 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--url", required=True, help="base URL of the engine, e.g. http://127.0.0.1:8000")
     run.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     run.add_argument("--out", type=Path, help="output folder (default: work/ops/replay-<UTC time>/)")
-    run.add_argument("--gate-p90", type=gate_limit, default=gate_rules.DEFAULT_P90_S, metavar="S",
-                     help="TTFT P90 must be below S seconds ('off' to skip)")
-    run.add_argument("--gate-p50", type=gate_limit, default=gate_rules.DEFAULT_P50_S, metavar="S",
-                     help="TTFT P50 must be below S seconds")
-    run.add_argument("--gate-mean", type=gate_limit, default=gate_rules.DEFAULT_MEAN_S, metavar="S",
-                     help="mean TTFT must be below S seconds")
-    run.add_argument("--gate-p99", type=gate_limit, default=None, metavar="S",
-                     help="TTFT P99 must be below S seconds (off by default)")
-    run.add_argument("--gate-success", type=success_limit, default=gate_rules.DEFAULT_SUCCESS_PCT, metavar="PCT",
-                     help="share of the stream's requests that must succeed, in percent")
+    _add_gate_options(run)
     run.add_argument("--request-timeout", type=positive_float, default=3600.0, metavar="S",
                      help="give up on one request after S seconds")
     run.add_argument("--connect-timeout", type=positive_float, default=10.0, metavar="S")
@@ -122,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--progress-interval", type=positive_float, default=5.0, metavar="S")
     run.add_argument("--quiet", action="store_true", help="no progress lines")
     run.add_argument("--no-plots", action="store_true", help="skip the PNGs (CSV and summary only)")
+
+    report = sub.add_parser("report", help="judge and plot an earlier run's records.csv again",
+                            epilog=REPORT_EPILOG, formatter_class=HelpFormatter)
+    report.add_argument("records", type=Path, help="records.csv of an earlier run")
+    _add_gate_options(report)
+    report.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    report.add_argument("--out", type=Path, help="output folder (default: work/ops/replay-report-<UTC time>/)")
 
     gen = sub.add_parser("generate", help="write a synthetic request stream", epilog=GENERATE_EPILOG,
                          formatter_class=HelpFormatter)
@@ -151,11 +171,42 @@ def _gates_from_args(args: argparse.Namespace) -> list[gate_rules.Gate]:
     )
 
 
-def command_run(args: argparse.Namespace) -> int:
+def _judge_and_write(args: argparse.Namespace, out: Path, records: list, name: str, peak_observed: int | None,
+                    context: dict[str, Any]) -> tuple[bool, Any]:
+    """Summary, gates, summary.json and PNGs; prints the report. Returns (passed, summary)."""
     from . import plots
-    from .replay import ReplayConfig, run_replay
-    from .replay_report import format_report, write_records_csv, write_summary_json
+    from .replay_report import format_report, write_summary_json
     from .stats import summarize
+
+    summary = summarize(records, peak_observed=peak_observed)
+    gate_results = gate_rules.evaluate(summary, _gates_from_args(args))
+    passed = gate_rules.verdict(gate_results) and not context.get("aborted")
+    write_summary_json(out / "summary.json", summary, gate_results, passed, context)
+    title = f"{name}, {summary.requests} requests: {'PASS' if passed else 'FAIL'}"
+    plotted = bool(summary.sent) and not args.no_plots
+    if plotted:
+        plots.plot_ttft_over_time(out / "ttft_over_time.png", records, summary, gate_results, title)
+        plots.plot_ttft_cdf(out / "ttft_cdf.png", records, summary, gate_results, title)
+        plots.plot_in_flight(out / "in_flight.png", records, summary, title)
+    print(format_report(summary, gate_results, passed))
+    written = ["summary.json"] + (["ttft_over_time.png", "ttft_cdf.png", "in_flight.png"] if plotted else [])
+    print(f"written: {out}/" + ", ".join(written))
+    return passed, summary
+
+
+def command_report(args: argparse.Namespace) -> int:
+    from .replay_report import read_records_csv
+
+    records = read_records_csv(args.records)
+    out = prepare_out_dir(args.out, "replay-report")
+    passed, _ = _judge_and_write(args, out, records, args.records.parent.name or args.records.name, None,
+                                 {"records": str(args.records), "aborted": None})
+    return EXIT_OK if passed else EXIT_FAILED
+
+
+def command_run(args: argparse.Namespace) -> int:
+    from .replay import ReplayConfig, run_replay
+    from .replay_report import write_records_csv
 
     requests = read_stream(args.stream)
     out = prepare_out_dir(args.out, TOOL)
@@ -188,10 +239,6 @@ def command_run(args: argparse.Namespace) -> int:
         write_records_csv(out / "records.csv", [RequestRecord(id=r.id, offset_s=r.offset_s) for r in requests])
         return fail(f"{exc}; nothing sent (records: {out / 'records.csv'})", EXIT_ERROR, TOOL)
 
-    summary = summarize(result.records, peak_observed=result.peak_in_flight)
-    gates = _gates_from_args(args)
-    gate_results = gate_rules.evaluate(summary, gates)
-    passed = gate_rules.verdict(gate_results) and result.abort_reason is None
     write_records_csv(out / "records.csv", result.records)
     context = {
         "stream": str(args.stream),
@@ -200,16 +247,8 @@ def command_run(args: argparse.Namespace) -> int:
         "started_at_utc": utc_iso(result.started_epoch_s),
         "aborted": result.abort_reason,
     }
-    write_summary_json(out / "summary.json", summary, gate_results, passed, context)
-    title = f"{args.stream.name}: {summary.requests} requests, verdict {'PASS' if passed else 'FAIL'}"
-    plotted = bool(summary.sent) and not args.no_plots
-    if plotted:
-        plots.plot_ttft_over_time(out / "ttft_over_time.png", result.records, summary, gate_results, title)
-        plots.plot_ttft_cdf(out / "ttft_cdf.png", result.records, summary, gate_results, title)
-        plots.plot_in_flight(out / "in_flight.png", result.records, summary, title)
-    print(format_report(summary, gate_results, passed))
-    print(f"written: {out}/records.csv, summary.json" + (", ttft_over_time.png, ttft_cdf.png, in_flight.png"
-                                                         if plotted else ""))
+    print(f"records: {out / 'records.csv'}")
+    passed, summary = _judge_and_write(args, out, result.records, args.stream.name, result.peak_in_flight, context)
     if result.abort_reason is not None:
         code = EXIT_INTERRUPTED if result.interrupted else EXIT_ERROR
         return fail(f"run stopped early: {result.abort_reason}; the {summary.sent} requests sent are in "
@@ -287,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return command_run(args)
+        if args.command == "report":
+            return command_report(args)
         return command_generate(args)
     except OpsError as exc:
         return fail(str(exc), EXIT_ERROR, TOOL)

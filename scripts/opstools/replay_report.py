@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .common import utc_iso
-from .records import RequestRecord
+from .common import OpsError, utc_iso
 from .gates import GateResult
+from .records import RequestRecord
 from .stats import THIRD_NAMES, Distribution, ReplaySummary
 
 CSV_COLUMNS = (
@@ -68,9 +68,47 @@ def write_records_csv(path: Path, records: Sequence[RequestRecord]) -> None:
             writer.writerow(record_row(record))
 
 
-def read_records_csv(path: Path) -> list[dict[str, str]]:
-    with path.open(newline="", encoding="utf-8") as handle:
-        return list(csv.DictReader(handle))
+def read_records_csv(path: Path) -> list[RequestRecord]:
+    """Records back from a ``records.csv`` (to judge an earlier run again)."""
+    try:
+        handle = path.open(newline="", encoding="utf-8")
+    except OSError as exc:
+        raise OpsError(f"records {path}: cannot open: {exc.strerror or exc}") from exc
+    records = []
+    with handle:
+        reader = csv.DictReader(handle)
+        columns = reader.fieldnames or []
+        missing = [c for c in ("id", "offset_s", "sent_s", "ttft_s", "e2e_s", "status") if c not in columns]
+        if missing:
+            raise OpsError(f"records {path}: not a replay records.csv (no column {', '.join(missing)})")
+
+        def number(row: dict[str, str], column: str, line: int) -> float | None:
+            text = row.get(column) or ""
+            if not text:
+                return None
+            try:
+                return float(text)
+            except ValueError:
+                raise OpsError(f"{path}:{line}: {column} is not a number: {text!r}") from None
+
+        for line, row in enumerate(reader, start=2):
+            sent = number(row, "sent_s", line)
+            ttft = number(row, "ttft_s", line)
+            e2e = number(row, "e2e_s", line)
+            tokens = number(row, "completion_tokens", line)
+            records.append(RequestRecord(
+                id=row["id"],
+                offset_s=number(row, "offset_s", line) or 0.0,
+                sent_s=sent,
+                first_token_s=None if sent is None or ttft is None else sent + ttft,
+                end_s=None if sent is None or e2e is None else sent + e2e,
+                completion_tokens=None if tokens is None else int(tokens),
+                status=row["status"],
+                error=row.get("error", ""),
+            ))
+    if not records:
+        raise OpsError(f"records {path}: no rows")
+    return records
 
 
 def write_summary_json(
@@ -84,7 +122,8 @@ def write_summary_json(
         **context,
         "summary": summary.to_json(),
         "gates": [
-            {"gate": r.gate.description, "metric": r.gate.metric, "limit": r.gate.limit, "value": r.value, "passed": r.passed}
+            {"gate": r.gate.description, "metric": r.gate.metric, "limit": r.gate.limit, "value": r.value,
+             "passed": r.passed}
             for r in gate_results
         ],
         "verdict": "PASS" if passed else "FAIL",
@@ -111,7 +150,8 @@ def format_report(summary: ReplaySummary, gate_results: Sequence[GateResult], pa
     ]
     if summary.failures_by_status:
         lines.append(
-            "failures: " + ", ".join(f"{status} {count}" for status, count in sorted(summary.failures_by_status.items()))
+            "failures: "
+            + ", ".join(f"{status} {count}" for status, count in sorted(summary.failures_by_status.items()))
         )
     lines.append(f"  {'TTFT (s)':<13} {'n':>6} {'p50':>8} {'p90':>8} {'p99':>8} {'mean':>8}")
     lines.append(_distribution_row("overall", summary.ttft))

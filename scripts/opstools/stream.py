@@ -49,12 +49,6 @@ class StreamRequest:
         assert self.prompt_token_ids is not None
         return list(self.prompt_token_ids)
 
-    def prompt_size(self) -> int:
-        """Characters of a text prompt, or the number of token ids."""
-        if self.prompt is not None:
-            return len(self.prompt)
-        return len(self.prompt_token_ids or ())
-
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

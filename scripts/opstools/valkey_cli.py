@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=positive_float, default=3.0, metavar="S", help="per-shard INFO timeout")
     parser.add_argument("--out", type=Path, help="output folder (default: work/ops/valkey-stats-<UTC time>/)")
     parser.add_argument("--quiet", action="store_true", help="no per-interval lines")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG")
     return parser
 
 
@@ -148,7 +149,8 @@ def _run(args: argparse.Namespace) -> int:
         "failed_samples": sampler.failed_samples,
         "stopped_by_signal": stop.is_set(),
     }, indent=2) + "\n", encoding="utf-8")
-    if intervals:
+    plotted = bool(intervals) and not args.no_plots
+    if plotted:
         title = f"Valkey: {len(targets)} shard(s), {args.interval:g} s intervals"
         plots.plot_valkey(out / "valkey_stats.png", intervals, title)
     print(f"{'shard':>5} {'GET/s':>10} {'us/GET':>9} {'in GETs':>8} {'max':>7} {'main CPU':>9} {'max':>7}  url")
@@ -156,7 +158,7 @@ def _run(args: argparse.Namespace) -> int:
         usec = f"{s.get_usec_per_call:.1f}" if s.get_usec_per_call is not None else "-"
         print(f"{s.shard:>5} {s.mean_get_calls_per_s:>10.1f} {usec:>9} {s.mean_get_busy_pct:>7.1f}% "
               f"{s.max_get_busy_pct:>6.1f}% {s.mean_main_cpu_pct:>8.1f}% {s.max_main_cpu_pct:>6.1f}%  {s.url}")
-    written = "intervals.csv, summary.json" + (", valkey_stats.png" if intervals else "")
+    written = "intervals.csv, summary.json" + (", valkey_stats.png" if plotted else "")
     print(f"written: {out}/{written}")
     if sampler.failed_samples:
         return fail(f"{sampler.failed_samples} sample(s) failed; see the error column of {out / 'intervals.csv'}",

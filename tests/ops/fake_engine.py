@@ -219,7 +219,9 @@ class FakeEngine:
         await response.prepare(request)
         return response
 
-    async def _planned(self, request: web.Request, body: dict[str, Any], plan: Plan, arrived: float) -> web.StreamResponse:
+    async def _planned(
+        self, request: web.Request, body: dict[str, Any], plan: Plan, arrived: float
+    ) -> web.StreamResponse:
         if plan.status != 200:
             await asyncio.sleep(plan.ttft)
             return web.json_response({"error": {"message": f"planned status {plan.status}"}}, status=plan.status)

@@ -8,19 +8,23 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import aiohttp
 import pytest
-
 from opstools import replay_cli
 from opstools.completions import stream_completion
 from opstools.records import RequestRecord
+
 from tests.ops.fake_engine import FakeEngine
 from tests.support.valkey import free_loopback_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def write_stream(path: Path, requests: list[tuple[str, float, str]], max_tokens: int = 4) -> Path:
@@ -54,11 +58,11 @@ def test_open_loop_keeps_send_times_under_a_slow_server(tmp_path, engine):
     rows = read_rows(out)
     # the client sent each request at its offset ...
     for i, offset in enumerate(offsets):
-        assert abs(float(rows[f"r{i}"]["sent_s"]) - offset) < 0.3
+        assert abs(float(rows[f"r{i}"]["sent_s"]) - offset) < 0.5
     # ... and the server saw them arrive at those offsets, though each took 2 s
     arrivals = sorted(a.monotonic_s for a in engine.arrivals)
     for arrival, offset in zip(arrivals, offsets):
-        assert abs((arrival - arrivals[0]) - offset) < 0.35
+        assert abs((arrival - arrivals[0]) - offset) < 0.5
     summary = json.loads((out / "summary.json").read_text())["summary"]
     assert summary["peak_in_flight"] == 8  # a closed loop would have had 1
     assert summary["duration_s"] < 6.0  # 8 x 2 s one after another would be 16 s
@@ -75,7 +79,7 @@ def test_ttft_is_taken_at_the_first_chunk_with_text(tmp_path, engine):
     assert code == 0
     rows = read_rows(out)
     slow_ttft, slow_e2e = float(rows["slow-first"]["ttft_s"]), float(rows["slow-first"]["e2e_s"])
-    assert 1.1 <= slow_ttft < 2.0  # not the empty chunks sent at once
+    assert 1.1 <= slow_ttft < 3.0  # not the empty chunks sent at once
     assert slow_e2e - slow_ttft >= 0.9  # two more chunks 0.5 s apart came after it
     assert float(rows["fast"]["ttft_s"]) < slow_ttft - 0.5
     assert rows["slow-first"]["text_chunks"] == "3"
@@ -217,8 +221,51 @@ def test_token_id_prompts_are_sent_as_a_list(tmp_path, engine):
 
 def test_bad_stream_file_names_the_line(tmp_path, engine, capsys):
     stream = tmp_path / "bad.jsonl"
-    stream.write_text('{"offset_s": 0, "prompt": "a", "max_tokens": 1}\n{"offset_s": -1, "prompt": "b", "max_tokens": 1}\n')
+    stream.write_text('{"offset_s": 0, "prompt": "a", "max_tokens": 1}\n'
+                      '{"offset_s": -1, "prompt": "b", "max_tokens": 1}\n')
     code = replay_cli.main(["run", str(stream), "--url", engine.url, "--out", str(tmp_path / "o")])
     assert code == 2
     assert f"{stream}:2: 'offset_s' must be a number >= 0" in capsys.readouterr().err
     assert not engine.arrivals
+
+
+def test_report_rejudges_an_earlier_run_with_other_gates(tmp_path, engine, capsys):
+    requests = [(f"r{i}", 0.05 * i, "ttft=0.4 chunks=1") for i in range(4)]
+    code, out = run_replay(tmp_path, engine.url, requests)
+    assert code == 0
+    capsys.readouterr()
+    rejudged = tmp_path / "rejudged"
+    code = replay_cli.main(["report", str(out / "records.csv"), "--gate-p90", "0.2", "--no-plots",
+                            "--out", str(rejudged)])
+    assert code == 1
+    assert "FAIL  TTFT P90 < 0.2 s" in capsys.readouterr().out
+    before = json.loads((out / "summary.json").read_text())["summary"]["ttft"]
+    after = json.loads((rejudged / "summary.json").read_text())["summary"]["ttft"]
+    assert after["p50"] == pytest.approx(before["p50"], abs=1e-5)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    assert replay_cli.main(["report", str(bad), "--out", str(rejudged)]) == 2
+    assert "not a replay records.csv" in capsys.readouterr().err
+
+
+def test_ctrl_c_stops_the_replay_and_keeps_the_records(tmp_path, engine):
+    stream = write_stream(tmp_path / "stream.jsonl",
+                          [("quick", 0.0, "chunks=1"), ("slow", 0.1, "ttft=30 chunks=1"), ("later", 30.0, "chunks=1")])
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "replay"), "run", str(stream), "--url", engine.url, "--out", str(out),
+         "--progress-interval", "0.2", "--no-plots"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        while "done 1" not in (line := process.stderr.readline()):  # progress: the quick one is done
+            assert line, "replay ended early"
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130
+    assert "stopped by SIGINT" in err
+    rows = read_rows(out)
+    assert [rows[i]["status"] for i in ("quick", "slow", "later")] == ["ok", "aborted", "not_sent"]
