@@ -9,12 +9,25 @@ xfail, so a proof test that passes on pristine fails the run.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from tests.support.valkey import ValkeyServer, start_valkey
 
 TREE_ENV = "DIST_LMCACHE_TREE"
+PATCHES = Path(__file__).resolve().parents[1] / "patches"
+
+
+def series_patches() -> set[str]:
+    """Every patch file listed in a patches/*/series."""
+    names: set[str] = set()
+    for series in PATCHES.glob("*/series"):
+        for line in series.read_text().splitlines():
+            entry = line.split("#", 1)[0].strip()
+            if entry:
+                names.add(entry.split()[0])
+    return names
 
 
 def lmcache_tree() -> str:
@@ -35,14 +48,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tree = lmcache_tree()
+    known = series_patches()
     for item in items:
         if item.get_closest_marker("gpu") is not None and not _has_cuda():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         marker = item.get_closest_marker("fixes")
+        if marker is not None and (not marker.args or marker.args[0] not in known):
+            raise pytest.UsageError(
+                f"{item.nodeid}: @pytest.mark.fixes({', '.join(map(repr, marker.args))}) "
+                "does not name a patch listed in patches/*/series"
+            )
         if marker is None or tree != "pristine":
             continue
-        if not marker.args:
-            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.fixes needs the patch file name")
         item.add_marker(
             pytest.mark.xfail(
                 strict=True,

@@ -201,7 +201,7 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
     python, envs = _test_environments(layout)
     cuda = ensure_toolchain(pins_step.load(layout.pins_file), layout.cache, layout.work / "toolchain", _client)
     return testrun.run_all(layout.repo, layout.work, python, envs, layout.tree("lmcache"), args.pytest_args,
-                           extra_env={"DIST_CUDA_HOME": str(cuda)})
+                           extra_env={"DIST_CUDA_HOME": str(cuda)}, paths=args.paths, peer=not args.no_peer)
 
 
 def cmd_peer_record(args: argparse.Namespace, layout: Layout) -> int:
@@ -281,7 +281,9 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_toolchain)
 
     s = sub.add_parser("test", help="build both CPU test venvs and run the three test phases")
-    s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+    s.add_argument("--paths", nargs="+", default=["tests"], help="project test paths (default: tests)")
+    s.add_argument("--no-peer", action="store_true", help="skip phase 3 (a partial run; never in CI)")
+    s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments, after --")
     s.set_defaults(func=cmd_test)
 
     s = sub.add_parser("peer-record", help="record which LMCache CPU tests pass on the pristine build")

@@ -89,7 +89,8 @@ def _env(tree: str, work: Path, extra: dict[str, str] | None = None) -> dict[str
 
 
 def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]], tree: Path,
-            pytest_args: list[str], extra_env: dict[str, str] | None = None) -> int:
+            pytest_args: list[str], extra_env: dict[str, str] | None = None,
+            paths: list[str] | None = None, peer: bool = True) -> int:
     """The three phases; prints one closing 'N passed, N failed' line."""
     junit = work / "test-results"
     results: dict[str, Outcome] = {}
@@ -97,18 +98,22 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
 
     patched_env = _env("patched", work, {**(extra_env or {}), **envs["patched"]})
     pristine_env = _env("pristine", work, {**(extra_env or {}), **envs["pristine"]})
-    results["patched"] = run_pytest(python, ["tests", *pytest_args], repo, junit / "patched.xml", patched_env, "phase 1/3: project tests, patched LMCache")
+    paths = paths or ["tests"]
+    pytest_args = [a for a in pytest_args if a != "--"]
+    results["patched"] = run_pytest(python, [*paths, *pytest_args], repo, junit / "patched.xml", patched_env, "phase 1/3: project tests, patched LMCache")
     if results["patched"].returncode != 0:
         problems.append(f"phase 1: {len(results['patched'].failed)} project test(s) failed on the patched tree")
 
-    proofs = run_pytest(python, ["tests", "-m", "fixes", *pytest_args], repo, junit / "pristine.xml", pristine_env, "phase 2/3: patch proofs, pristine LMCache")
+    proofs = run_pytest(python, [*paths, "-m", "fixes", *pytest_args], repo, junit / "pristine.xml", pristine_env, "phase 2/3: patch proofs, pristine LMCache")
     results["pristine"] = proofs
     if proofs.returncode not in (0, 5):
         problems.append(f"phase 2: {len(proofs.failed)} proof(s) did not fail on the pristine tree (strict xfail)")
 
     suite = read_list(repo / "tests" / "peer" / "suite.txt")
     recorded = set(read_list(repo / "tests" / "peer" / "pristine-passed.txt"))
-    if suite:
+    if not peer:
+        problems.append("phase 3: skipped (--no-peer): a partial run")
+    elif suite:
         peer_dir = peer_tests_dir(tree, work, "patched")
         peer = run_pytest(python, [*suite, *pytest_args], peer_dir, junit / "peer.xml", patched_env, "phase 3/3: LMCache's own CPU tests, patched LMCache")
         results["peer"] = peer
