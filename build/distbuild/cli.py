@@ -181,6 +181,8 @@ def _test_environments(layout: Layout) -> tuple[Path, dict[str, dict[str, str]]]
     logs = layout.work / "logs"
     python = testenv.ensure_venv(layout.work / "venv", layout.tree("lmcache"), logs,
                                  testenv.project_requirements(layout.repo))
+    vllm_wheel = next(p for p in pins if p.name == "vllm" and p.kind == "wheel")
+    testenv.install_vllm_for_parsing(python, fetch(vllm_wheel, layout.cache, _client), layout.repo, logs)
     envs = {v.name: testenv.install(v, python, layout.wheels, logs) for v in variants}
     return python, envs
 
@@ -201,7 +203,7 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
     python, envs = _test_environments(layout)
     cuda = ensure_toolchain(pins_step.load(layout.pins_file), layout.cache, layout.work / "toolchain", _client)
     return testrun.run_all(layout.repo, layout.work, python, envs, layout.tree("lmcache"), args.pytest_args,
-                           extra_env={"DIST_CUDA_HOME": str(cuda)}, paths=args.paths, peer=not args.no_peer)
+                           extra_env={"DIST_CUDA_HOME": str(cuda), "DIST_REQUIRE_VLLM_WHEEL": "1"}, paths=args.paths, peer=not args.no_peer)
 
 
 def cmd_peer_record(args: argparse.Namespace, layout: Layout) -> int:

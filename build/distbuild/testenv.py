@@ -45,9 +45,27 @@ def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path
     print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
 
 
+PROJECT_REQUIREMENTS = ("tests/requirements.txt", "tests/configs/requirements.txt", "scripts/requirements.txt")
+VLLM_PARSING_REQUIREMENTS = "tests/configs/requirements-vllm.txt"
+
+
 def project_requirements(repo: Path) -> list[Path]:
-    """The project's own test requirements: tests/ and, where present, scripts/."""
-    return [p for p in (repo / "tests" / "requirements.txt", repo / "scripts" / "requirements.txt") if p.is_file()]
+    """The project's own test requirements (resolved together with LMCache's)."""
+    return [repo / name for name in PROJECT_REQUIREMENTS if (repo / name).is_file()]
+
+
+def install_vllm_for_parsing(python: Path, wheel: Path, repo: Path, logs: Path) -> None:
+    """The pinned vLLM wheel without its GPU stack, plus what importing its
+    argument parsing needs (the config tests parse our launch configs with it)."""
+    requirements = repo / VLLM_PARSING_REQUIREMENTS
+    wanted = hashlib.sha256(wheel.name.encode() + requirements.read_bytes()).hexdigest()
+    stamp = python.parent.parent / "dist-vllm-parsing"
+    if stamp.is_file() and stamp.read_text() == wanted:
+        return
+    pip = [str(python), "-m", "pip", "install", "--no-deps", "--progress-bar", "off"]
+    _run([*pip, str(wheel)], logs / "venv-vllm-wheel.log")
+    _run([*pip, "-r", str(requirements)], logs / "venv-vllm-parsing.log")
+    stamp.write_text(wanted)
 
 
 def _requirements_hash(tree: Path, extra: list[Path]) -> str:
