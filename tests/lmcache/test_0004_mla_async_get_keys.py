@@ -49,6 +49,13 @@ BLOCKING_TIMEOUT_S = 5
 WAIT_S = 30.0
 
 
+async def _cancel_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @pytest.fixture
 def loop():
     loop = asyncio.new_event_loop()
@@ -57,6 +64,10 @@ def loop():
     try:
         yield loop
     finally:
+        try:  # cancel what the connectors left running (e.g. their job executors)
+            asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(10)
+        except Exception:  # noqa: BLE001 - best effort in teardown
+            pass
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         if not thread.is_alive():
@@ -118,7 +129,9 @@ def make_backend(loop, remote_url: str, worker_id: int = RANK):
     config = make_config(remote_url)
     metadata = make_metadata(worker_id)
     local_cpu = LocalCPUBackend(config, metadata, memory_allocator=AdHocMemoryAllocator())
-    backend = RemoteBackend(config=config, metadata=metadata, loop=loop, local_cpu_backend=local_cpu)
+    backend = RemoteBackend(
+        config=config, metadata=metadata, loop=loop, local_cpu_backend=local_cpu
+    )
     return backend, local_cpu
 
 

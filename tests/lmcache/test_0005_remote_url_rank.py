@@ -42,6 +42,13 @@ KV_DTYPE = torch.float16
 WAIT_S = 30.0
 
 
+async def _cancel_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @pytest.fixture
 def loop():
     loop = asyncio.new_event_loop()
@@ -50,6 +57,10 @@ def loop():
     try:
         yield loop
     finally:
+        try:  # cancel what the connectors left running (e.g. their job executors)
+            asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(10)
+        except Exception:  # noqa: BLE001 - best effort in teardown
+            pass
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         if not thread.is_alive():
@@ -182,9 +193,7 @@ def test_rank_template_reaches_the_rank_instance(valkey, loop):
     127.0.0.1:PORT, and the health check's put+get recovery probe passes
     against it."""
     url = f"resp://127.0.0.{{rank}}:{valkey.port}"
-    backend = make_backend(
-        loop, url, rank=1, ping_timeout=5.0, waiting_time_for_recovery=0.0
-    )
+    backend = make_backend(loop, url, rank=1, ping_timeout=5.0, waiting_time_for_recovery=0.0)
     assert backend.local_cpu_backend is not None
     try:
         assert backend.remote_url == valkey.url
@@ -216,4 +225,8 @@ def test_rank_template_reaches_the_rank_instance(valkey, loop):
         valkey.stop()
         if backend.connection is not None:
             resp = backend.connection.getWrappedConnector()
-            _bounded(lambda: asyncio.run_coroutine_threadsafe(_close_client(resp.client), loop).result(WAIT_S))
+            _bounded(
+                lambda: asyncio.run_coroutine_threadsafe(_close_client(resp.client), loop).result(
+                    WAIT_S
+                )
+            )
