@@ -157,7 +157,7 @@ def prepare(upstream: str, pin: Pin, sdist: Path, patches: list[Patch], src_root
                 old = src_root / f".{upstream}.old-{os.getpid()}"
                 dest.rename(old)
                 staging.rename(dest)
-                shutil.rmtree(old)
+                shutil.rmtree(old, ignore_errors=True)  # already swapped out; a leftover is removed next run
             else:
                 staging.rename(dest)
         (dest / ".git" / STAMP).write_text(stamp)
