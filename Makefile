@@ -6,7 +6,7 @@ WORK ?= $(CURDIR)/work
 DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
 FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
 
-.PHONY: help image test sources fetch patched export health manifest lint pin peer-record audit clean
+.PHONY: help image test sources fetch patched export health manifest lint pin audit clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -45,9 +45,6 @@ lint: ## check the lock file and the patches' DEP-3 / Signed-off-by headers
 
 pin: ## add or refresh a pin: make pin SPEC=name==ver FILE=file ROLE=image [WRITE=1]; make pin REFRESH=1
 	$(DIST) pin $(SPEC) $(if $(FILE),--file $(FILE)) $(if $(ROLE),--role $(ROLE)) $(if $(filter 1,$(REFRESH)),--refresh) $(if $(filter 1,$(WRITE)),--write)
-
-peer-record: ## run LMCache's CPU suite on the pristine build and record which tests pass
-	$(DIST) peer-record
 
 TARGET_ARG := $(if $(TARGET),--target $(TARGET),)
 audit: ## arch audit gate: make audit AUDIT_PATH=dir|file|oci-archive [TARGET=sm_103] [ALLOWLIST=f] [JSON=out]

@@ -206,17 +206,6 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
                            extra_env={"DIST_CUDA_HOME": str(cuda), "DIST_REQUIRE_VLLM_WHEEL": "1"}, paths=args.paths, peer=not args.no_peer)
 
 
-def cmd_peer_record(args: argparse.Namespace, layout: Layout) -> int:
-    from . import testrun
-
-    python, envs = _test_environments(layout)
-    pristine_src = layout.work / "pristine-src" / "lmcache"
-    repo = Repo(layout.tree("lmcache"))
-    shutil.rmtree(pristine_src, ignore_errors=True)
-    repo.extract(PRISTINE_REF, pristine_src)
-    return testrun.record_peer(layout.repo, layout.work, python, envs["pristine"], pristine_src)
-
-
 def cmd_audit(args: argparse.Namespace, layout: Layout) -> int:
     """Arch audit gate (see audit.py): exit 1 when uncovered code cannot run natively on the target."""
     from . import audit as audit_step
@@ -287,9 +276,6 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-peer", action="store_true", help="skip phase 3 (a partial run; never in CI)")
     s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments, after --")
     s.set_defaults(func=cmd_test)
-
-    s = sub.add_parser("peer-record", help="record which LMCache CPU tests pass on the pristine build")
-    s.set_defaults(func=cmd_peer_record)
 
     s = sub.add_parser("audit", help="arch audit gate: CUDA code in a folder, file or OCI image vs a target GPU")
     s.add_argument("path", help="folder, shared object/cubin/fatbin, OCI layout folder or oci-archive tar")

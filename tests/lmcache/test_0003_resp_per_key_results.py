@@ -1,0 +1,326 @@
+"""Proof of 0003-resp-connector-honour-per-key-get-results.patch.
+
+LMCache's remote backend with its RESP connector (``resp://``: RESPConnector
+over the native RESPClient) against a real Valkey server, through the same
+entry points the cache engine uses: ``RemoteBackend.batched_get_blocking``
+(synchronous retrieve), ``batched_get_non_blocking`` (async prefetch) and
+``get_blocking``, plus the client's own ``batch_get_sync``/``get_sync``.
+
+Chunks are written straight into Valkey under the keys LMCache reads, so a
+miss is simply a key that is not there (an evicted chunk). Every staging
+buffer comes from one allocator whose usage is checked against its baseline:
+a leaked buffer leaves it above, a double free below.
+
+On the pristine tree these fail within bounded time: a GET of a missing key
+never completes there (the remote backend times out after
+``blocking_timeout_secs`` and leaks the buffers), and a batch GET reports
+every buffer as loaded KV.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+PATCH = "0003-resp-connector-honour-per-key-get-results.patch"
+
+pytestmark = pytest.mark.lmcache
+
+CHUNK_TOKENS = 16
+# layers, K/V, tokens, heads, head size: 2 * 2 * 16 * 2 * 8 bf16 = 2048 bytes
+KV_SHAPE = (2, 2, CHUNK_TOKENS, 2, 8)
+CHUNK_BYTES = 2048
+RESULT_BOUND_S = 10.0
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+class Env:
+    """A RemoteBackend on resp://, its event loop thread and its allocator."""
+
+    def __init__(self, valkey, blocking_timeout_secs: int):
+        torch = _torch()
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.memory_allocators.pin_memory_allocator import PinMemoryAllocator
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+        from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+
+        self.valkey = valkey
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        self.config = LMCacheEngineConfig.from_defaults(
+            chunk_size=CHUNK_TOKENS,
+            local_cpu=False,
+            max_local_cpu_size=0.1,
+            remote_url=valkey.url,
+            remote_serde="naive",
+            save_unfull_chunk=False,
+            blocking_timeout_secs=blocking_timeout_secs,
+            extra_config={"save_chunk_meta": False, "resp_num_threads": 1},
+        )
+        self.metadata = LMCacheMetadata(
+            model_name="dist-test",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.bfloat16,
+            kv_shape=KV_SHAPE,
+            use_mla=False,
+            chunk_size=CHUNK_TOKENS,
+        )
+        self.allocator = PinMemoryAllocator(64 * CHUNK_BYTES)
+        self.local = LocalCPUBackend(self.config, self.metadata, memory_allocator=self.allocator)
+        self.backend = RemoteBackend(self.config, self.metadata, self.loop, self.local)
+        assert self.backend.connection is not None, "no RESP connection"
+        self.baseline = self.usage()
+
+    def key(self, i: int):
+        from lmcache.utils import CacheEngineKey
+
+        return CacheEngineKey("dist-test", 1, 0, 1000 + i, _torch().bfloat16)
+
+    def store(self, i: int) -> bytes:
+        """Write chunk i into Valkey under the key LMCache reads."""
+        data = random.Random(i).randbytes(CHUNK_BYTES)
+        with self.valkey.client() as client:
+            client.set(self.key(i).to_string(), data)
+        return data
+
+    def usage(self) -> tuple[int, int]:
+        inner = self.allocator.allocator
+        return inner.total_allocated_size, inner.num_active_allocations
+
+    def chunks_in_use(self) -> int:
+        return self.usage()[1] - self.baseline[1]
+
+    def assert_back_at_baseline(self, timeout: float = 0.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.usage() != self.baseline and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.usage() == self.baseline, (
+            f"allocator at {self.usage()}, baseline {self.baseline}: "
+            "a buffer leaked (above) or was freed twice (below)"
+        )
+
+    def run(self, coro, timeout: float = RESULT_BOUND_S):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        # The RESP client must be closed on its loop; its native close()
+        # joins the C++ workers, which a wedged pristine client may delay.
+        # RESPConnector.close() itself is not used: it calls the executor's
+        # synchronous shutdown from the loop thread.
+        connector = self.backend.connection
+        while hasattr(connector, "getWrappedConnector"):
+            connector = connector.getWrappedConnector()
+
+        async def _close():
+            await connector.pq_executor.shutdown_async(wait=False)
+            connector.client.close()
+
+        closer = threading.Thread(
+            target=lambda: self.run(_close(), timeout), daemon=True
+        )
+        closer.start()
+        closer.join(timeout)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout)
+
+
+@pytest.fixture
+def make_env(valkey):
+    envs: list[Env] = []
+
+    def make(blocking_timeout_secs: int = 3) -> Env:
+        env = Env(valkey, blocking_timeout_secs)
+        envs.append(env)
+        return env
+
+    yield make
+    for env in envs:
+        env.close()
+
+
+def call_bounded(fn, timeout: float = RESULT_BOUND_S):
+    """fn() in a daemon thread; fail instead of hanging the run."""
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        pytest.fail(f"call did not return within {timeout} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def chunk_bytes(memory_obj) -> bytes:
+    view = memory_obj.byte_array
+    if not isinstance(view, memoryview):
+        view = memoryview(view)
+    return view.cast("B").tobytes()
+
+
+@pytest.mark.fixes(PATCH)
+def test_blocking_batch_get_returns_loaded_prefix_and_frees_the_rest(make_env):
+    env = make_env()
+    stored = {i: env.store(i) for i in (0, 2, 3)}  # chunk 1 was evicted
+    keys = [env.key(i) for i in range(4)]
+
+    loaded = call_bounded(lambda: env.backend.batched_get_blocking(keys))
+
+    assert loaded[1:] == [None, None, None]
+    assert loaded[0] is not None
+    assert chunk_bytes(loaded[0]) == stored[0]
+    assert loaded[0].get_ref_count() == 1
+    assert env.chunks_in_use() == 1, "buffers of chunks 1..3 were not freed"
+    loaded[0].ref_count_down()
+    env.assert_back_at_baseline()
+
+
+@pytest.mark.fixes(PATCH)
+def test_non_blocking_batch_get_returns_loaded_prefix_only(make_env):
+    env = make_env()
+    stored = {i: env.store(i) for i in (0, 1, 3)}  # chunk 2 was evicted
+    keys = [env.key(i) for i in range(4)]
+
+    loaded = env.run(env.backend.batched_get_non_blocking("lookup-0", keys))
+
+    # the storage manager pairs these with keys by position
+    assert len(loaded) == 2
+    assert [chunk_bytes(obj) for obj in loaded] == [stored[0], stored[1]]
+    assert env.chunks_in_use() == 2
+    for obj in loaded:
+        assert obj.get_ref_count() == 1
+        obj.ref_count_down()
+    env.assert_back_at_baseline()
+
+
+@pytest.mark.fixes(PATCH)
+def test_get_blocking_of_a_missing_chunk_is_none_and_frees_its_buffer(make_env):
+    env = make_env()
+    stored = env.store(0)
+
+    assert call_bounded(lambda: env.backend.get_blocking(env.key(1))) is None
+    env.assert_back_at_baseline(timeout=1.0)
+
+    # and the next GET on the same (single) connection is a clean hit
+    obj = call_bounded(lambda: env.backend.get_blocking(env.key(0)))
+    assert obj is not None and chunk_bytes(obj) == stored
+    obj.ref_count_down()
+    env.assert_back_at_baseline()
+
+
+def test_full_hit_batch_is_returned_whole(make_env):
+    # regression guard: passes on both trees
+    env = make_env()
+    stored = [env.store(i) for i in range(3)]
+
+    loaded = call_bounded(lambda: env.backend.batched_get_blocking([env.key(i) for i in range(3)]))
+
+    assert [chunk_bytes(obj) for obj in loaded] == stored
+    for obj in loaded:
+        obj.ref_count_down()
+    env.assert_back_at_baseline()
+
+
+PAUSE_MS = 5000
+
+
+@pytest.mark.fixes(PATCH)
+@pytest.mark.parametrize("path", ["blocking", "non-blocking"])
+def test_timed_out_get_frees_its_buffers_only_once_the_native_get_completes(make_env, path):
+    env = make_env(blocking_timeout_secs=1)  # an int in LMCache config
+    for i in range(3):
+        env.store(i)
+    keys = [env.key(i) for i in range(3)]
+    with env.valkey.client() as client:
+        client.client_pause(PAUSE_MS)  # the GETs wait in the server
+    pause_ends = time.monotonic() + PAUSE_MS / 1000
+
+    if path == "blocking":
+        loaded = call_bounded(lambda: env.backend.batched_get_blocking(keys))
+        assert loaded == [None, None, None]
+    else:
+        loaded = env.run(env.backend.batched_get_non_blocking("lookup-0", keys))
+        assert loaded == []
+
+    # The GET goes on after the caller gave up, into buffers C++ workers may
+    # write to until the server answers: they must stay allocated meanwhile.
+    while env.chunks_in_use() < 3 and time.monotonic() < pause_ends - 1.0:
+        time.sleep(0.02)
+    in_use = env.chunks_in_use()
+    if time.monotonic() >= pause_ends - 0.5:
+        pytest.skip("machine too slow to observe the GET while the server is paused")
+    assert in_use == 3
+
+    # once the GET completes nobody holds them any more
+    env.assert_back_at_baseline(timeout=PAUSE_MS / 1000 + 10.0)
+
+
+@pytest.mark.fixes(PATCH)
+def test_timed_out_gets_do_not_use_up_the_connector(make_env):
+    # RESPConnector runs loads on an executor of 4 workers. A caller that
+    # times out must not take a worker down with it when the load finishes.
+    env = make_env(blocking_timeout_secs=1)
+    stored = env.store(0)
+    for _ in range(4):
+        with env.valkey.client() as client:
+            client.client_pause(1500)
+        assert call_bounded(lambda: env.backend.get_blocking(env.key(0))) is None
+        time.sleep(1.5 + 0.5)  # the server answers, the abandoned load ends
+
+    obj = call_bounded(lambda: env.backend.get_blocking(env.key(0)))
+    assert obj is not None and chunk_bytes(obj) == stored
+    obj.ref_count_down()
+    env.assert_back_at_baseline()
+
+
+@pytest.mark.fixes(PATCH)
+def test_resp_client_reports_per_key_hits(make_env):
+    # The asyncio API, on the client's loop: the synchronous variants share
+    # the result plumbing but, without the 0001 lock, can lose a completion.
+    env = make_env()
+    from lmcache.v1.storage_backend.native_clients.resp_client import RESPClient
+
+    stored = {i: env.store(i) for i in (0, 2)}
+    client = RESPClient(env.valkey.host, env.valkey.port, 1, env.loop)
+    bufs = [bytearray(CHUNK_BYTES) for _ in range(3)]
+    one = bytearray(CHUNK_BYTES)
+    try:
+        keys = [env.key(i).to_string() for i in range(3)]
+        hits = env.run(client.batch_get(keys, [memoryview(b) for b in bufs]))
+        assert hits == [True, False, True]
+        assert bytes(bufs[0]) == stored[0] and bytes(bufs[2]) == stored[2]
+
+        assert env.run(client.get(keys[1], memoryview(one))) is False
+        assert env.run(client.get(keys[0], memoryview(one))) is True
+        assert bytes(one) == stored[0]
+    finally:
+        closer = threading.Thread(
+            target=lambda: env.run(_call_soon(client.close), 10.0), daemon=True
+        )
+        closer.start()
+        closer.join(10.0)
+
+
+async def _call_soon(fn):
+    fn()
