@@ -25,6 +25,8 @@ import pytest
 import torch
 
 from lmcache.utils import CacheEngineKey
+
+from tests.support.background_loop import loop  # noqa: F401 - pytest fixture
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.health_monitor.checks.remote_backend_check import RemoteBackendHealthCheck
 from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
@@ -40,31 +42,6 @@ WORLD_SIZE = 4
 KV_SHAPE = (2, 2, 256, 1, 16)
 KV_DTYPE = torch.float16
 WAIT_S = 30.0
-
-
-async def _cancel_tasks() -> None:
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="backend-loop", daemon=True)
-    thread.start()
-    try:
-        yield loop
-    finally:
-        try:  # cancel what the connectors left running (e.g. their job executors)
-            asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(10)
-        except Exception:  # noqa: BLE001 - best effort in teardown
-            pass
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        if not thread.is_alive():
-            loop.close()
 
 
 class RecordingRESPClient:
