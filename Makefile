@@ -6,16 +6,18 @@ WORK ?= $(CURDIR)/work
 DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
 FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
 
-.PHONY: help image test sources fetch patched export health manifest lint pin audit clean
+.PHONY: help image lock test sources fetch patched export health manifest lint pin audit clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
 	@echo "  variables: UPSTREAM=lmcache|flashinfer|vllm (export), UPSTREAM=NAME==VERSION (health), FORCE=1, WORK=dir"
 
-image: ## build the serving image (the main job)
-	@echo "make image: not implemented yet: the Dockerfile and image build land with the image issue (#5)." >&2
-	@echo "            Until then: make patched (trees), make test (CPU proofs)." >&2
-	@exit 2
+IMAGE_TAG ?= localhost/glm53-b300-serving:dev
+image: ## build the serving image, run its self-test and the sm_103 audit [ENGINE=docker|podman|buildah] [IMAGE_TAG=..] [BASE_IMAGE=..] [STAGE=..]
+	$(DIST) image --tag $(IMAGE_TAG) $(if $(ENGINE),--engine $(ENGINE)) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(STAGE),--target $(STAGE))
+
+lock: ## resolve the image's Python dependency closure by sha256 into build/lock/*.txt
+	$(DIST) lock
 
 test: ## the CPU test suite: tool tests, patch proofs on pristine and patched LMCache, peer suite
 	$(DIST) test

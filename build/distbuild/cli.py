@@ -224,6 +224,21 @@ def cmd_audit(args: argparse.Namespace, layout: Layout) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_lock(args: argparse.Namespace, layout: Layout) -> int:
+    from . import lock as lock_step
+
+    index = args.index_url or IndexConfig.from_pip().index_urls[0]
+    for path in lock_step.write_locks(pins_step.load(layout.pins_file), layout.repo / "build" / "lock", index):
+        print(f"wrote    {path.relative_to(layout.repo)}")
+    return 0
+
+
+def cmd_image(args: argparse.Namespace, layout: Layout) -> int:
+    from . import image as image_step
+
+    return image_step.run(layout, image_step.Options.from_args(args))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distbuild", description=__doc__)
     p.add_argument("--work", help="output folder (default: work/ in the repository, or $DIST_WORK)")
@@ -284,6 +299,20 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="write the full report here")
     s.add_argument("--cuobjdump", help="cuobjdump to use (default: $DIST_CUDA_HOME/bin, else the pinned toolchain)")
     s.set_defaults(func=cmd_audit)
+
+    s = sub.add_parser("lock", help="resolve the image's dependency closure into build/lock/*.txt (sha256 each)")
+    s.add_argument("--index-url", help="index to resolve against (default: pip's configured primary index)")
+    s.set_defaults(func=cmd_lock)
+
+    s = sub.add_parser("image", help="build the serving image, run its self-test and the arch audit")
+    s.add_argument("--engine", choices=("docker", "podman", "buildah"), help="default: whichever works")
+    s.add_argument("--tag", default="localhost/glm53-b300-serving:dev")
+    s.add_argument("--target", default="runtime", help="last Dockerfile stage to build (default: runtime)")
+    s.add_argument("--base-image", help="base image reference (default: a debootstrap Debian bookworm built here)")
+    s.add_argument("--no-selftest", action="store_true")
+    s.add_argument("--no-audit", action="store_true")
+    s.add_argument("--audit-target", default="sm_103")
+    s.set_defaults(func=cmd_image)
 
     s = sub.add_parser("pristine-tree", help="write the pristine tree of an upstream into DEST")
     s.add_argument("upstream")

@@ -7,6 +7,7 @@ tree and commit hashes are the same on every machine and every run.
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -37,6 +38,44 @@ class PatchConflict(DistBuildError):
     pass
 
 
+def safe_extractall(archive: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path, where: str) -> None:
+    """``extractall`` with the ``data`` filter; on a Python without it (3.11 before 3.11.4,
+    e.g. Debian bookworm's 3.11.2, the image's builder) the same refusals by hand:
+    absolute or ``..`` paths, links that leave the tree, devices and FIFOs; owner and
+    mode bits reset the same way."""
+    if hasattr(tarfile, "data_filter"):
+        archive.extractall(dest, filter="data")
+        return
+    for member in members:
+        parts = Path(member.name).parts
+        if member.name.startswith("/") or ".." in parts:
+            raise DistBuildError(f"{where}: member {member.name!r} leaves the extraction folder")
+        if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+            raise DistBuildError(f"{where}: member {member.name!r} is a device or FIFO")
+        if member.issym() or member.islnk():
+            base = Path(member.name).parent if member.issym() else Path()
+            target = Path(member.linkname)
+            if target.is_absolute() or ".." in (base / target).parts and not _stays_inside(base / target):
+                raise DistBuildError(f"{where}: link {member.name!r} -> {member.linkname!r} leaves the tree")
+    cleaned = []
+    for member in members:   # as the data filter: owned by whoever extracts, no setuid/sticky/group-other write
+        member = copy.copy(member)
+        member.uid, member.gid, member.uname, member.gname = os.getuid(), os.getgid(), "", ""
+        if member.mode is not None and not member.issym():
+            member.mode &= 0o755 if member.isdir() or member.mode & 0o100 else 0o644
+        cleaned.append(member)
+    archive.extractall(dest, members=cleaned)
+
+
+def _stays_inside(relative: Path) -> bool:
+    depth = 0
+    for part in relative.parts:
+        depth += -1 if part == ".." else 0 if part == "." else 1
+        if depth < 0:
+            return False
+    return True
+
+
 def unpack_sdist(sdist: Path, dest: Path) -> None:
     """Extract ``sdist`` into ``dest`` without its single top-level folder."""
     if not sdist.name.endswith((".tar.gz", ".tgz")):
@@ -48,7 +87,7 @@ def unpack_sdist(sdist: Path, dest: Path) -> None:
             if len(tops) != 1:
                 raise DistBuildError(f"{sdist.name}: expected one top-level folder, found {sorted(tops)[:5]}")
             staging = dest.parent / f"{dest.name}.unpack"
-            archive.extractall(staging, filter="data")
+            safe_extractall(archive, members, staging, sdist.name)
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise DistBuildError(f"{sdist.name}: cannot unpack: {exc}") from None
     (staging / tops.pop()).rename(dest)

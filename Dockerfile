@@ -1,0 +1,266 @@
+# syntax=docker/dockerfile:1.7
+# The GLM-5.3 FP8 serving image for NVIDIA B300 (sm_103a).
+#
+# `make image` builds it (docker, podman or buildah) and then runs its
+# self-test and the arch audit; see README.md, "The image". The ARG defaults
+# below are the single source of the versions the Dockerfile names; they must
+# equal build/pins.toml (tests/image checks it). Every download is checked by
+# sha256: the sdists and the CUDA compiler wheels by the build tool
+# (build/pins.toml), every Python wheel by pip --require-hashes
+# (build/lock/*.txt, written by `make lock` from the same index).
+#
+# Stages, each named for what it makes:
+#   base             the rootfs with the pinned Python, checked
+#   build-base       git, g++ and a venv running the project's build tool
+#   toolchain        the CUDA 13.0 compiler from the pinned PyPI wheels
+#   sources          the pinned sdists, fetched by hash, with patches/ applied
+#   build-env        toolchain + torch (CUDA 13) + the wheels' build needs
+#   lmcache-wheel    patched LMCache with its CUDA extension for sm_103a
+#   flashinfer-wheel patched FlashInfer + its fused-MoE module compiled ahead of time for sm_103a
+#   runtime          the serving image
+
+# A Debian bookworm rootfs with python3 (3.11) and python3-venv. `make image`
+# makes one with debootstrap and passes it by image id; on a builder with
+# internet a public image works too, pinned by digest, e.g.
+#   --build-arg BASE_IMAGE=docker.io/library/debian:bookworm-slim@sha256:<digest>
+# (the base stage then installs python3 and python3-venv from Debian).
+ARG BASE_IMAGE=localhost/glm53-base:bookworm
+ARG PYTHON_VERSION=3.11
+ARG CUDA_VERSION=13.0
+ARG TORCH_VERSION=2.13.0
+ARG VLLM_VERSION=0.31.0
+ARG LMCACHE_VERSION=0.5.5
+ARG FLASHINFER_VERSION=0.7.0.post1
+ARG NIXL_VERSION=1.5.1
+# B300 only: LMCache's c_ops as sm_103a SASS; FlashInfer's fused-MoE module the same.
+ARG TORCH_CUDA_ARCH_LIST=10.3a
+ARG FLASHINFER_CUDA_ARCH_LIST=10.3a
+ARG MAX_JOBS=2
+
+######################## base: the pinned Python, checked ########################
+FROM ${BASE_IMAGE} AS base
+ARG BASE_IMAGE
+ARG PYTHON_VERSION
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive
+COPY build/with-build-ca /usr/local/bin/with-build-ca
+# A slim public base has no python3: install Debian's (bookworm: 3.11); the
+# debootstrap base already carries it. Then refuse any other Python.
+# hadolint ignore=DL3008
+RUN if ! command -v python3 >/dev/null; then \
+      apt-get update -qq && apt-get install -y -qq --no-install-recommends python3 python3-venv ca-certificates \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    have="$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo none)"; \
+    if [ "$have" != "$PYTHON_VERSION" ]; then \
+      echo "base image ${BASE_IMAGE}: python3 is ${have}, the pinned Python is ${PYTHON_VERSION} (every image wheel is built for it); use a base with Python ${PYTHON_VERSION}" >&2; \
+      exit 1; \
+    fi; \
+    python3 -c 'import ensurepip, venv' 2>/dev/null \
+      || { echo "base image ${BASE_IMAGE}: python3 has no venv/ensurepip (Debian: python3-venv)" >&2; exit 1; }
+
+######################## build-base: the project's build tool ########################
+FROM base AS build-base
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# hadolint ignore=DL3008
+RUN apt-get update -qq \
+    && apt-get install -y -qq --no-install-recommends git g++ make ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONPATH=/src/build \
+    DIST_CACHE_DIR=/var/cache/dist \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_INPUT=1
+COPY build/ /src/build/
+
+######################## toolchain: CUDA 13.0 from the pinned wheels ########################
+FROM build-base AS toolchain
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG PYTHON_VERSION
+ARG CUDA_VERSION
+# `distbuild toolchain` fetches the pinned nvcc/cccl/crt/nvvm/cudart wheels by
+# sha256 and checks that nvcc says release 13.0.
+RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
+    with-build-ca python -m distbuild --work /work toolchain
+# The wheels put the toolkit under nvidia/cu13 with lib/ (CMake and torch look
+# for lib64/) and only versioned libcudart: give the usual names.
+RUN ln -s "/work/toolchain/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13" /opt/cuda \
+    && ln -s lib /opt/cuda/lib64 \
+    && for so in /opt/cuda/lib/libcudart.so.*; do if [ ! -e /opt/cuda/lib/libcudart.so ]; then ln -s "$(basename "$so")" /opt/cuda/lib/libcudart.so; fi; done \
+    && if ! /opt/cuda/bin/nvcc --version | grep -q "release ${CUDA_VERSION}"; then \
+         echo "toolchain: /opt/cuda/bin/nvcc is not CUDA ${CUDA_VERSION}" >&2; exit 1; \
+       fi
+ENV CUDA_HOME=/opt/cuda PATH=/opt/cuda/bin:$PATH
+
+######################## sources: fetch by hash, apply the series ########################
+FROM build-base AS sources
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+COPY patches/ /src/patches/
+COPY scripts/imagectl/ /src/scripts/imagectl/
+# The project's own steps (build/distbuild): sdists by sha256, pristine commit,
+# `git am` of each patch with exact context; a patch that does not apply stops
+# here naming the patch and hunk. Then a file map of each tree, which the
+# runtime self-test compares with what is installed.
+RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
+    with-build-ca python -m distbuild --work /work patched \
+    && PYTHONPATH=/src/scripts python -m imagectl.treemap /work/src /work/trees \
+    && cp /work/manifest.json /work/trees/manifest.json
+
+######################## build-env: torch + build needs ########################
+FROM toolchain AS build-env
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+COPY build/lock/builder.txt /src/build/lock/builder.txt
+# pip's cache lives in a build cache mount (not in a layer): reruns do not
+# download torch again, and pip re-checks every cached file's hash.
+# hadolint ignore=DL3042
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=build-ca \
+    with-build-ca pip install --require-hashes --no-deps --progress-bar off -r /src/build/lock/builder.txt \
+    && pip check
+
+######################## lmcache-wheel: patched LMCache, CUDA ext for sm_103a ########################
+FROM build-env AS lmcache-wheel
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG PYTHON_VERSION
+ARG LMCACHE_VERSION
+ARG TORCH_CUDA_ARCH_LIST
+ARG MAX_JOBS
+COPY --from=sources /work/src/lmcache /build/lmcache
+COPY --from=sources /work/trees/lmcache.json /build/lmcache.json
+# CUDA_HOME explicit (found through PATH it resolves the wrong prefix); torch's
+# nvidia/cu13/include carries the cuBLAS/cuSPARSE/cuSOLVER headers the nvcc
+# wheels lack. The version's local part names the patched tree.
+WORKDIR /build/lmcache
+RUN tree="$(python -c 'import json; print(json.load(open("/build/lmcache.json"))["patched_tree"][:12])')" \
+    && rm -rf .git \
+    && export BUILD_WITH_CUDA=1 CUDA_HOME=/opt/cuda TORCH_CUDA_ARCH_LIST MAX_JOBS \
+       CPATH="/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13/include" \
+       SETUPTOOLS_SCM_PRETEND_VERSION="${LMCACHE_VERSION}+glm53.${tree}" \
+    && echo "lmcache-wheel: building ${LMCACHE_VERSION}+glm53.${tree} for TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} (MAX_JOBS=${MAX_JOBS})" \
+    && if ! pip wheel --no-build-isolation --no-deps --progress-bar off -w /out .; then \
+         echo "lmcache-wheel: the LMCache CUDA build failed (see the compiler output above)" >&2; exit 1; \
+       fi
+WORKDIR /out
+RUN sha256sum ./*.whl > SHA256SUMS
+
+######################## flashinfer-wheel: patched FlashInfer + fused-MoE AOT ########################
+FROM build-env AS flashinfer-wheel
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG FLASHINFER_CUDA_ARCH_LIST
+ARG MAX_JOBS
+COPY --from=sources /work/src/flashinfer /build/flashinfer
+WORKDIR /build/flashinfer
+# FLASHINFER_BUILD_NO_PIP: the env is provisioned; BUILD_NIXL_EP=0: NIXL-EP is
+# not part of this distribution.
+RUN rm -rf .git \
+    && if ! FLASHINFER_BUILD_NO_PIP=1 BUILD_NIXL_EP=0 pip wheel --no-build-isolation --no-deps --progress-bar off -w /out .; then \
+         echo "flashinfer-wheel: building the patched FlashInfer wheel failed" >&2; exit 1; \
+       fi
+COPY scripts/imagectl/ /src/scripts/imagectl/
+# The fused-MoE module (fused_moe_trtllm_sm100, which serves sm_103 as well)
+# compiled for sm_103a into flashinfer/data/aot/, where FlashInfer loads AOT
+# modules from. It needs trtllm-gen headers that FlashInfer fetches from its
+# artifact store, checked against the sha256 FlashInfer pins: when the store
+# cannot be reached the module is not built and /out/flashinfer-aot.json says
+# so (the image records it and the self-test reports it).
+WORKDIR /out
+RUN --mount=type=secret,id=build-ca pip install --no-cache-dir --no-deps --progress-bar off /out/flashinfer_python-*.whl \
+    && FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST}" MAX_JOBS="${MAX_JOBS}" CUDA_HOME=/opt/cuda \
+       PYTHONPATH=/src/scripts with-build-ca python -m imagectl.flashinfer_aot --out /out/aot --status /out/flashinfer-aot.json \
+    && sha256sum ./*.whl > SHA256SUMS
+
+######################## runtime: the serving image ########################
+FROM base AS runtime
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG PYTHON_VERSION
+ARG CUDA_VERSION
+ARG TORCH_VERSION
+ARG VLLM_VERSION
+ARG LMCACHE_VERSION
+ARG FLASHINFER_VERSION
+ARG NIXL_VERSION
+ARG TORCH_CUDA_ARCH_LIST
+ARG BASE_IMAGE
+# gcc + libc headers: Triton compiles its launcher stub at first use.
+# libfabric1: NIXL's LIBFABRIC plugin links libfabric.so.1, which the nixl wheel
+# does not carry (Debian's build; EFA nodes may mount AWS's, see README).
+# hadolint ignore=DL3008
+RUN apt-get update -qq \
+    && apt-get install -y -qq --no-install-recommends gcc libc6-dev libfabric1 libnuma1 ca-certificates tini \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+COPY build/lock/image.txt /opt/glm53/lock/image.txt
+# hadolint ignore=DL3042
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=build-ca \
+    with-build-ca pip install --require-hashes --no-deps --progress-bar off -r /opt/glm53/lock/image.txt
+COPY --from=lmcache-wheel /out/ /tmp/wheels/lmcache/
+COPY --from=flashinfer-wheel /out/*.whl /out/SHA256SUMS /tmp/wheels/flashinfer/
+# Our own wheels, checked against the sums their stage wrote, then pip check
+# over the whole closure. Only the sums stay in the image (manifest, SBOM).
+WORKDIR /tmp/wheels
+RUN sed 's|  \./|  lmcache/|' lmcache/SHA256SUMS > all.sums \
+    && sed 's|  \./|  flashinfer/|' flashinfer/SHA256SUMS >> all.sums \
+    && sha256sum -c all.sums \
+    && pip install --no-cache-dir --no-deps --progress-bar off lmcache/*.whl flashinfer/*.whl \
+    && pip check \
+    && mkdir -p /opt/glm53/wheels && cat lmcache/SHA256SUMS flashinfer/SHA256SUMS > /opt/glm53/wheels/SHA256SUMS \
+    && rm -rf /tmp/wheels
+COPY --from=flashinfer-wheel /out/aot/ /opt/venv/lib/python${PYTHON_VERSION}/site-packages/flashinfer/data/aot/
+COPY --from=flashinfer-wheel /out/flashinfer-aot.json /opt/glm53/flashinfer-aot.json
+COPY --from=sources /work/trees/ /opt/glm53/trees/
+# vLLM's NIXL P/D proxy is not in the wheel: the pinned sdist's copy.
+COPY --from=sources /work/src/vllm/tests/v1/kv_connector/nixl_integration/toy_proxy_server.py /opt/glm53/pd-proxy/toy_proxy_server.py
+COPY configs/prefill/ /etc/glm53/prefill/
+COPY configs/decode/ /etc/glm53/decode/
+COPY configs/aggregated/ /etc/glm53/aggregated/
+COPY scripts/ /opt/glm53/scripts/
+# manifest.json (inputs, patches, tree hashes + the wheels and AOT status of
+# this image) and the CycloneDX SBOM of every installed Python package.
+RUN PYTHONPATH=/opt/glm53/scripts python -m imagectl.finalize \
+      --trees /opt/glm53/trees --wheels /opt/glm53/wheels --aot /opt/glm53/flashinfer-aot.json \
+      --manifest /opt/glm53/manifest.json --sbom /opt/glm53/sbom.cdx.json \
+    && rm -rf /opt/glm53/scripts/__pycache__ \
+    && useradd --create-home --uid 1000 --shell /bin/bash serve \
+    && mkdir -p /cache && chown serve:serve /cache
+ENV HF_HOME=/cache/huggingface \
+    XDG_CACHE_HOME=/cache \
+    FLASHINFER_WORKSPACE_BASE=/cache \
+    TRITON_CACHE_DIR=/cache/triton \
+    VLLM_CACHE_ROOT=/cache/vllm \
+    TORCHINDUCTOR_CACHE_DIR=/cache/inductor \
+    GLM53_HOME=/opt/glm53 \
+    PYTHONPATH=/opt/glm53/scripts
+ARG PATCH_SERIES_SHA256=unknown
+ARG LMCACHE_PATCHED_TREE=unknown
+ARG FLASHINFER_PATCHED_TREE=unknown
+ARG VLLM_PATCHED_TREE=unknown
+ARG FLASHINFER_AOT=unknown
+ARG IMAGE_VERSION=dev
+ARG IMAGE_REVISION=unknown
+ARG IMAGE_CREATED=unknown
+LABEL org.opencontainers.image.title="glm53-b300-serving" \
+      org.opencontainers.image.description="vLLM ${VLLM_VERSION} + patched LMCache ${LMCACHE_VERSION} + patched FlashInfer ${FLASHINFER_VERSION} for GLM-5.3 FP8 on NVIDIA B300 (sm_103a)" \
+      org.opencontainers.image.version="${IMAGE_VERSION}" \
+      org.opencontainers.image.revision="${IMAGE_REVISION}" \
+      org.opencontainers.image.created="${IMAGE_CREATED}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      io.glm53.python="${PYTHON_VERSION}" \
+      io.glm53.cuda="${CUDA_VERSION}" \
+      io.glm53.cuda-arch="${TORCH_CUDA_ARCH_LIST}" \
+      io.glm53.torch.version="${TORCH_VERSION}" \
+      io.glm53.vllm.version="${VLLM_VERSION}" \
+      io.glm53.lmcache.version="${LMCACHE_VERSION}" \
+      io.glm53.flashinfer.version="${FLASHINFER_VERSION}" \
+      io.glm53.nixl.version="${NIXL_VERSION}" \
+      io.glm53.patch-series.sha256="${PATCH_SERIES_SHA256}" \
+      io.glm53.lmcache.patched-tree="${LMCACHE_PATCHED_TREE}" \
+      io.glm53.flashinfer.patched-tree="${FLASHINFER_PATCHED_TREE}" \
+      io.glm53.vllm.patched-tree="${VLLM_PATCHED_TREE}" \
+      io.glm53.flashinfer.fused-moe-aot="${FLASHINFER_AOT}"
+USER 1000:1000
+WORKDIR /home/serve
+EXPOSE 8000
+ENTRYPOINT ["/usr/bin/tini", "--", "/opt/glm53/scripts/entrypoint"]
+CMD ["--help"]

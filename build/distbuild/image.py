@@ -1,0 +1,338 @@
+"""``make image``: build the Dockerfile stage by stage, then the self-test and the arch audit.
+
+1. a container engine (``engine.py``: docker, podman or buildah; installs
+   podman/buildah with apt on a Debian machine that has none);
+2. the base image (``baseimage.py``: debootstrap bookworm + python3), unless
+   ``--base-image`` names one;
+3. every stage up to ``--target`` in order, each tagged
+   ``localhost/glm53-stage:<stage>``, its log in ``work/image/logs/`` and its
+   wall time printed; a failing stage stops the build naming the stage and the
+   lines that say why;
+4. the runtime stage gets the provenance labels (``imagectl.labels``) computed
+   from the manifest the ``sources`` stage wrote and the AOT status the
+   ``flashinfer-wheel`` stage wrote; after the build the labels are checked
+   against the manifest inside the image;
+5. the image's self-test in a container, and ``distbuild audit`` of its
+   filesystem for ``sm_103`` with ``build/audit-allowlist.txt``.
+
+A report (stage times, image size, self-test output, audit summary) goes to
+``work/image/report.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import baseimage, engine as engine_step
+from .errors import DistBuildError
+from .lock import check_host  # noqa: F401  (re-exported for tests)
+from .paths import Layout
+from .pins import load as load_pins, normalize_name
+
+STAGES = ("base", "build-base", "toolchain", "sources", "build-env", "lmcache-wheel", "flashinfer-wheel", "runtime")
+STAGE_TAG = "localhost/glm53-stage:{stage}"
+ERROR_HINTS = re.compile(r"(error|Error|ERROR|failed|FAILED|does not apply|not found|No such file)")
+
+
+@dataclass
+class Options:
+    engine: str | None = None
+    tag: str = "localhost/glm53-b300-serving:dev"
+    target: str = "runtime"
+    base_image: str | None = None
+    selftest: bool = True
+    audit: bool = True
+    audit_target: str = "sm_103"
+    max_jobs: int = 2
+    extra_args: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Options":
+        return cls(engine=args.engine, tag=args.tag, target=args.target, base_image=args.base_image,
+                   selftest=not args.no_selftest, audit=not args.no_audit, audit_target=args.audit_target,
+                   max_jobs=int(os.environ.get("MAX_JOBS", "2")))
+
+
+def stages_until(target: str) -> list[str]:
+    if target not in STAGES:
+        raise DistBuildError(f"--target {target}: not a stage of the Dockerfile ({', '.join(STAGES)})")
+    return list(STAGES[: STAGES.index(target) + 1])
+
+
+def dockerfile_args(dockerfile: Path) -> dict[str, str]:
+    """ARG defaults declared before the first FROM (the Dockerfile's version table)."""
+    out: dict[str, str] = {}
+    for line in dockerfile.read_text().splitlines():
+        if line.startswith("FROM "):
+            break
+        m = re.match(r"ARG\s+([A-Z0-9_]+)=(\S+)", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def check_inputs(layout: Layout) -> None:
+    """Fail early, naming what is missing: the pins, the locks, a Dockerfile version that disagrees."""
+    pins = load_pins(layout.pins_file)
+    dockerfile = layout.repo / "Dockerfile"
+    if not dockerfile.is_file():
+        raise DistBuildError(f"{dockerfile}: missing")
+    for name in ("image.txt", "builder.txt"):
+        if not (layout.repo / "build" / "lock" / name).is_file():
+            raise DistBuildError(f"build/lock/{name}: missing; run `make lock` (resolves the image's dependencies by hash)")
+    declared = dockerfile_args(dockerfile)
+    by_name = {normalize_name(p.name): p for p in pins if p.role in ("image", "upstream")}
+    wanted = {"VLLM_VERSION": "vllm", "TORCH_VERSION": "torch", "LMCACHE_VERSION": "lmcache",
+              "FLASHINFER_VERSION": "flashinfer-python", "NIXL_VERSION": "nixl-cu13"}
+    for arg, project in wanted.items():
+        pin = by_name.get(project)
+        if pin is None:
+            raise DistBuildError(f"build/pins.toml: no pin for {project} (the Dockerfile's {arg} needs one); add it with make pin")
+        if declared.get(arg) != pin.version:
+            raise DistBuildError(f"Dockerfile ARG {arg}={declared.get(arg)} but build/pins.toml pins {project} {pin.version}")
+    _imagectl()
+    from imagectl.locks import entries_from_lock
+    lock = entries_from_lock((layout.repo / "build" / "lock" / "image.txt").read_text())
+    for pin in pins:
+        if pin.role == "image":
+            got = lock.get(normalize_name(pin.name))
+            if got is None or got != (pin.version, pin.sha256):
+                raise DistBuildError(f"build/lock/image.txt: {pin.name} is {got}, pins.toml pins {pin.version} "
+                                     f"sha256 {pin.sha256}; rerun `make lock`")
+
+
+CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/cert.pem")
+
+
+def build_ca_bundle() -> Path:
+    """The builder's CA bundle, handed to download steps as a build secret (``build/with-build-ca``)."""
+    chosen = os.environ.get("SSL_CERT_FILE") or os.environ.get("PIP_CERT")
+    for candidate in ([chosen] if chosen else []) + list(CA_BUNDLES):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    raise DistBuildError("no CA bundle found (SSL_CERT_FILE or /etc/ssl/certs/ca-certificates.crt); "
+                         "the build's download steps need one")
+
+
+def _stream(cmd: list[str], log_path: Path, prefix: str) -> tuple[int, list[str]]:
+    """Run ``cmd``, echo its output (prefixed) and keep it in ``log_path``; return rc and the tail."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    tail: list[str] = []
+    with log_path.open("w") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                     text=True, errors="replace", bufsize=1) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            tail.append(line.rstrip("\n"))
+            del tail[:-400]
+            print(f"{prefix} {line}", end="", flush=True)
+        rc = proc.wait()
+    return rc, tail
+
+
+def failure_summary(tail: list[str], limit: int = 15) -> str:
+    hits = [line for line in tail if ERROR_HINTS.search(line)]
+    chosen = (hits or tail)[-limit:]
+    return "\n".join("    " + line for line in chosen)
+
+
+class Builder:
+    def __init__(self, layout: Layout, engine: engine_step.Engine, options: Options,
+                 log: Callable[[str], None] = print) -> None:
+        self.layout = layout
+        self.engine = engine
+        self.options = options
+        self.log = log
+        self.out = layout.work / "image"
+        self.times: dict[str, float] = {}
+
+    def build_stage(self, stage: str, args: dict[str, str], tag: str | None = None) -> str:
+        tag = tag or STAGE_TAG.format(stage=stage)
+        cmd = self.engine.build_cmd(self.layout.repo, self.layout.repo / "Dockerfile", stage, tag, args,
+                                    {"build-ca": build_ca_bundle()})
+        n = STAGES.index(stage) + 1
+        self.log(f"stage    [{n}/{len(STAGES)}] {stage}: {' '.join(cmd[:4])} ... --target {stage}")
+        started = time.monotonic()
+        rc, tail = _stream(["nice", "-n", "19", *cmd], self.out / "logs" / f"{stage}.log", f"  {stage} |")
+        took = time.monotonic() - started
+        self.times[stage] = round(took, 1)
+        if rc != 0:
+            raise DistBuildError(f"stage {stage} failed after {took:.0f} s (full log: {self.out / 'logs' / (stage + '.log')}):\n"
+                                 f"{failure_summary(tail)}")
+        self.log(f"stage    [{n}/{len(STAGES)}] {stage} done in {took:.0f} s")
+        return tag
+
+    def run(self, image: str, argv: list[str], env: dict[str, str] | None = None,
+            entrypoint: str | None = None) -> subprocess.CompletedProcess:
+        env = env or {}
+        if self.engine.name == "buildah":
+            ctr = subprocess.run([self.engine.binary, "from", "--quiet", image], capture_output=True, text=True,
+                                 check=True).stdout.strip()
+            try:
+                envs = [f"--env={k}={v}" for k, v in env.items()]
+                prog = [entrypoint] if entrypoint else ["/usr/bin/tini", "--", "/opt/glm53/scripts/entrypoint"]
+                return subprocess.run([self.engine.binary, "run", *envs, ctr, "--", *prog, *argv],
+                                      capture_output=True, text=True)
+            finally:
+                subprocess.run([self.engine.binary, "rm", ctr], capture_output=True)
+        envs = [f"--env={k}={v}" for k, v in env.items()]
+        ep = [f"--entrypoint={entrypoint}"] if entrypoint else []
+        return subprocess.run([self.engine.binary, "run", "--rm", "--network=none", *envs, *ep, image, *argv],
+                              capture_output=True, text=True)
+
+    def read_json(self, image: str, path: str) -> dict:
+        result = self.run(image, [path], entrypoint="cat")
+        if result.returncode != 0:
+            raise DistBuildError(f"{image}: cannot read {path}: {result.stderr.strip()[-500:]}")
+        return json.loads(result.stdout)
+
+    def labels(self, image: str) -> dict[str, str]:
+        fmt = "{{json .Config.Labels}}" if self.engine.name != "buildah" else "{{json .OCIv1.Config.Labels}}"
+        cmd = [self.engine.binary, "inspect", "--format", fmt, image] if self.engine.name == "buildah" else \
+            [self.engine.binary, "image", "inspect", "--format", fmt, image]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        return json.loads(out) or {}
+
+    def size(self, image: str) -> int | None:
+        if self.engine.name == "buildah":
+            return None
+        out = subprocess.run([self.engine.binary, "image", "inspect", "--format", "{{.Size}}", image],
+                             capture_output=True, text=True).stdout.strip()
+        return int(out) if out.isdigit() else None
+
+
+def _imagectl():
+    scripts = str(Path(__file__).resolve().parents[2] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from imagectl import labels
+    return labels
+
+
+def run(layout: Layout, options: Options, log: Callable[[str], None] = print) -> int:
+    started = time.monotonic()
+    stages = stages_until(options.target)
+    check_inputs(layout)
+    engine = engine_step.ensure_engine(options.engine, log)
+    builder = Builder(layout, engine, options, log)
+    report: dict = {"engine": engine.name, "tag": options.tag, "stages": builder.times}
+    if options.base_image:
+        base_ref = options.base_image
+    else:
+        base_started = time.monotonic()
+        base_ref = baseimage.ensure_base(engine, layout.work / "image", log)
+        report["base_seconds"] = round(time.monotonic() - base_started, 1)
+    report["base"] = base_ref
+    args = {"BASE_IMAGE": base_ref, "MAX_JOBS": str(options.max_jobs), **options.extra_args}
+    labels_mod = _imagectl()
+    manifest: dict | None = None
+    aot: dict | None = None
+    for stage in stages:
+        if stage == "runtime":
+            assert manifest is not None and aot is not None
+            git_rev = subprocess.run(["git", "-C", str(layout.repo), "rev-parse", "HEAD"], capture_output=True,
+                                     text=True).stdout.strip() or "unknown"
+            runtime_args = {**args, **labels_mod.build_args(manifest, aot.get("status", "unknown")),
+                            "IMAGE_REVISION": git_rev, "IMAGE_VERSION": options.tag.rsplit(":", 1)[-1]}
+            builder.build_stage(stage, runtime_args, tag=options.tag)
+        else:
+            tag = builder.build_stage(stage, args)
+            if stage == "sources":
+                manifest = builder.read_json(tag, "/work/trees/manifest.json")
+                check = builder.run(tag, ["-m", "imagectl.selftest", "--stage", "sources"],
+                                    env={"PYTHONPATH": "/src/scripts"}, entrypoint="python3")
+                print(check.stdout + check.stderr, end="")
+                report["sources_selftest"] = check.stdout
+                if check.returncode != 0:
+                    raise DistBuildError("the sources stage's self-test failed (above)")
+            if stage == "flashinfer-wheel":
+                aot = builder.read_json(tag, "/out/flashinfer-aot.json")
+                if aot.get("status") != "built":
+                    log(f"image    NOTE: FlashInfer {aot.get('module')} was NOT compiled ahead of time: {aot.get('reason')}")
+                    log(f"image    NOTE: {aot.get('consequence')}")
+    final = options.tag if options.target == "runtime" else STAGE_TAG.format(stage=options.target)
+    report["image"] = final
+    if options.target == "runtime":
+        inside = builder.read_json(final, "/opt/glm53/manifest.json")
+        wrong = labels_mod.mismatches(builder.labels(final), inside, inside["outputs"]["flashinfer-fused-moe-aot"]["status"])
+        if wrong:
+            raise DistBuildError("image labels disagree with its manifest: " + "; ".join(wrong))
+        log("image    labels agree with /opt/glm53/manifest.json")
+        report["size_bytes"] = builder.size(final)
+        if report["size_bytes"]:
+            log(f"image    {final}: {report['size_bytes'] / 1e9:.2f} GB")
+        if options.selftest:
+            result = builder.run(final, ["self-test"])
+            print(result.stdout, end="")
+            print(result.stderr, end="", file=sys.stderr)
+            report["selftest"] = result.stdout
+            report["selftest_rc"] = result.returncode
+            if result.returncode != 0:
+                _write_report(builder.out, report, started)
+                raise DistBuildError("the image's self-test failed (above)")
+        if options.audit:
+            report["audit"] = audit_image(layout, engine, final, options.audit_target, log)
+            if not report["audit"]["passed"]:
+                _write_report(builder.out, report, started)
+                raise DistBuildError(f"the arch audit failed for {options.audit_target} (above; JSON in work/image/audit.json)")
+    _write_report(builder.out, report, started)
+    log(f"image    {final} ready in {time.monotonic() - started:.0f} s; report: {builder.out / 'report.json'}")
+    return 0
+
+
+def _write_report(out: Path, report: dict, started: float) -> None:
+    report["total_seconds"] = round(time.monotonic() - started, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+
+
+def audit_image(layout: Layout, engine: engine_step.Engine, image: str, target: str,
+                log: Callable[[str], None]) -> dict:
+    """Run the audit gate on the image's filesystem (mounted when the engine can, else a saved archive)."""
+    from . import audit as audit_step
+    from .cli import _client
+    from .toolchain import ensure_toolchain
+
+    def cuda_home() -> Path:
+        return ensure_toolchain(load_pins(layout.pins_file), layout.cache, layout.work / "toolchain", _client)
+
+    tool = audit_step.find_cuobjdump(None, cuda_home)
+    allow = audit_step.load_allowlist(layout.repo / "build" / "audit-allowlist.txt")
+    out = layout.work / "image"
+    archive = None
+    if engine.name in ("podman", "buildah") and os.geteuid() == 0:
+        sub = [engine.binary, "image", "mount", image] if engine.name == "podman" else None
+        if sub is None:
+            ctr = subprocess.run([engine.binary, "from", "--quiet", image], capture_output=True, text=True, check=True).stdout.strip()
+            root = subprocess.run([engine.binary, "mount", ctr], capture_output=True, text=True, check=True).stdout.strip()
+            unmount = [engine.binary, "rm", ctr]
+        else:
+            root = subprocess.run(sub, capture_output=True, text=True, check=True).stdout.strip()
+            unmount = [engine.binary, "image", "unmount", image]
+    else:
+        archive = out / "image.tar"
+        log(f"audit    saving {image} to {archive}")
+        subprocess.run([engine.binary, "save", "-o", str(archive), image], check=True)
+        root, unmount = str(archive), None
+    log(f"audit    {image} ({root}) for {target} with build/audit-allowlist.txt (cuobjdump on every CUDA object: minutes)")
+    started = time.monotonic()
+    try:
+        report = audit_step.audit(Path(root), target, tool, allow)
+    finally:
+        if unmount:
+            subprocess.run(unmount, capture_output=True)
+        if archive:
+            archive.unlink(missing_ok=True)
+    text = audit_step.format_report(report)
+    print(text)
+    audit_step.write_json(report, out / "audit.json")
+    (out / "audit.txt").write_text(text + "\n")
+    return {"passed": report.passed, "seconds": round(time.monotonic() - started, 1), "summary": text.splitlines()[-3:]}

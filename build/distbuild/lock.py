@@ -1,0 +1,153 @@
+"""Hash-locked requirement files for the image: the full dependency closure, by sha256.
+
+``build/pins.toml`` pins the artifacts we name (vLLM, torch, nixl-cu13, the
+sdists). The image also installs everything those depend on; pip's
+``--require-hashes`` needs a hash for each. ``python -m distbuild lock``
+(``make lock``) resolves the closure once with pip itself (``pip install
+--dry-run --report``, Python 3.11, manylinux x86_64, wheels only) against the
+primary index pip is configured with, isolated from local find-links and
+constraint files (they hold CPU builds of torch), on CPython 3.11 x86_64
+Linux (the image's platform), and writes:
+
+- ``build/lock/image.txt``: what the runtime stage installs. LMCache and
+  FlashInfer are resolved for their dependencies and then left out: the image
+  installs our patched builds of them.
+- ``build/lock/builder.txt``: torch and the build requirements of the two
+  patched wheels (plus FlashInfer's import-time dependencies, for the
+  ahead-of-time compile).
+
+Every wheel that ``pins.toml`` also pins must resolve to the pinned file and
+hash, or the lock is refused: the two lists never disagree.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import DistBuildError
+from .pins import Pin, normalize_name
+
+PYTHON_VERSION = "3.11"
+PLATFORM = "manylinux_2_28_x86_64"
+
+IMAGE_EXTRA = ("lmcache", "flashinfer-python")   # resolved for their deps, installed from our builds
+BUILDER_REQUIREMENTS = (
+    "ninja", "packaging>=24.2", "setuptools>=77.0.3,<81.0.0", "setuptools_scm>=8", "wheel",
+    "grpcio==1.78.0", "grpcio-tools==1.78.0",      # LMCache's build-system requires
+    "apache-tvm-ffi>=0.1.11,<0.2",                   # FlashInfer's build-system requires
+)
+
+
+@dataclass(frozen=True)
+class Locked:
+    name: str
+    version: str
+    filename: str
+    sha256: str
+
+    def line(self) -> str:
+        return f"{self.name}=={self.version} \\\n    --hash=sha256:{self.sha256}  # {self.filename}"
+
+
+def _upstream_spec(pins: list[Pin], upstream: str) -> str:
+    pin = next(p for p in pins if p.upstream == upstream)
+    return pin.spec
+
+
+def image_specs(pins: list[Pin]) -> list[str]:
+    wheels = [p.spec for p in pins if p.role == "image"]
+    return [*wheels, _upstream_spec(pins, "lmcache"), _upstream_spec(pins, "flashinfer")]
+
+
+def builder_specs(pins: list[Pin]) -> list[str]:
+    torch = next(p.spec for p in pins if p.role == "image" and normalize_name(p.name) == "torch")
+    return [torch, *BUILDER_REQUIREMENTS, _upstream_spec(pins, "flashinfer")]
+
+
+def check_host() -> None:
+    """pip resolves for the interpreter it runs in (``--platform`` does not widen manylinux
+    tags), so the lock is made on the image's platform: CPython 3.11, x86_64 Linux."""
+    have = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if have != PYTHON_VERSION or platform.machine() != "x86_64" or sys.platform != "linux":
+        raise DistBuildError(f"make lock resolves for the image (CPython {PYTHON_VERSION}, x86_64 Linux) and must run "
+                             f"on one; this is Python {have} on {sys.platform}/{platform.machine()}")
+
+
+def resolve(specs: list[str], index_url: str, python: str = sys.executable,
+            constraints: list[Locked] | None = None) -> list[Locked]:
+    """pip's own resolution of ``specs`` for the image's platform, with each file's sha256."""
+    check_host()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        extra = []
+        if constraints:
+            (Path(tmp) / "constraints.txt").write_text("".join(f"{c.name}=={c.version}\n" for c in constraints))
+            extra = ["-c", str(Path(tmp) / "constraints.txt")]
+        cmd = [python, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--quiet",
+               "--index-url", index_url, "--only-binary=:all:", "--report", str(report), *extra, *specs]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+        env["PIP_CONFIG_FILE"] = os.devnull
+        print(f"lock     resolving {len(specs)} requirement(s) with pip against {index_url} (a few minutes)", flush=True)
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if result.returncode != 0:
+            raise DistBuildError(f"pip could not resolve {' '.join(specs)}:\n{result.stderr[-3000:]}")
+        data = json.loads(report.read_text())
+    locked = []
+    for item in data["install"]:
+        info = item["download_info"]
+        sha = info.get("archive_info", {}).get("hashes", {}).get("sha256")
+        name = item["metadata"]["name"]
+        if not sha:
+            raise DistBuildError(f"{name}: the index gives no sha256 for {info['url']}; cannot lock it")
+        locked.append(Locked(normalize_name(name), item["metadata"]["version"], info["url"].rsplit("/", 1)[-1], sha))
+    return sorted(locked, key=lambda x: x.name)
+
+
+def check_against_pins(locked: list[Locked], pins: list[Pin]) -> None:
+    by_name = {x.name: x for x in locked}
+    for pin in pins:
+        if pin.kind != "wheel" or pin.role != "image":
+            continue
+        got = by_name.get(normalize_name(pin.name))
+        if got is None:
+            raise DistBuildError(f"{pin.filename}: pinned in pins.toml but not in the resolved closure")
+        if (got.filename, got.sha256) != (pin.filename, pin.sha256):
+            raise DistBuildError(
+                f"{pin.name}: pins.toml pins {pin.filename} sha256 {pin.sha256}, the index resolved "
+                f"{got.filename} sha256 {got.sha256}; refresh the pin (make pin) or the index config")
+
+
+def render(locked: list[Locked], title: str, leave_out: tuple[str, ...] = ()) -> str:
+    drop = {normalize_name(n) for n in leave_out}
+    lines = [f"# {title}",
+             "# Written by `python -m distbuild lock` (make lock): never edit by hand.",
+             f"# Python {PYTHON_VERSION}, {PLATFORM}; install with pip --require-hashes --no-deps.",
+             *(f"# left out (installed from our patched builds): {n}" for n in sorted(drop)), ""]
+    lines += [x.line() for x in locked if x.name not in drop]
+    return "\n".join(lines) + "\n"
+
+
+def write_locks(pins: list[Pin], lock_dir: Path, index_url: str) -> list[Path]:
+    image = resolve(image_specs(pins), index_url)
+    check_against_pins(image, pins)
+    # The builder uses the runtime's versions of what both install (torch,
+    # apache-tvm-ffi: the AOT module must match the runtime's ABI), except the
+    # grpc pair LMCache's build pins exactly.
+    shared = [x for x in image if not x.name.startswith("grpcio") and x.name not in {normalize_name(n) for n in IMAGE_EXTRA}]
+    builder = resolve(builder_specs(pins), index_url, constraints=shared)
+    check_against_pins([x for x in builder if x.name == "torch"], [p for p in pins if normalize_name(p.name) == "torch"])
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in (("image.txt", render(image, "Runtime closure of the serving image.", IMAGE_EXTRA)),
+                       ("builder.txt", render(builder, "Builder closure: torch and the patched wheels' build needs.",
+                                                ("flashinfer-python",)))):
+        path = lock_dir / name
+        path.write_text(text)
+        written.append(path)
+    return written

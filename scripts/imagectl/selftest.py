@@ -1,0 +1,283 @@
+"""Self-test of the serving image, without a GPU: ``IMAGE self-test [--json] [--strict]``.
+
+Checks, one line each (PASS / WARN / FAIL), exit 1 on any FAIL (``--strict``:
+on any WARN too):
+
+- the Python and the pinned packages (vLLM, torch with CUDA 13, nixl-cu13,
+  LMCache, FlashInfer) have the versions the manifest's pins name;
+- the installed LMCache and FlashInfer are the patched trees: every installed
+  file that the tree has matches its git blob id, and every file the series
+  changes is installed with its patched content (not the pristine one);
+- LMCache's CUDA extension is installed;
+- FlashInfer resolves its fused-MoE module to the ahead-of-time build for
+  sm_103a; when the build recorded that it could not make it, WARN with why;
+- ``ldd`` of the NIXL plugins finds every library (libfabric for LIBFABRIC);
+- manifest, SBOM, presets, the P/D proxy and the tools are in place; the
+  cache folders are writable.
+
+``--stage sources`` checks a ``sources`` build stage instead: the trees in
+/work/src are the ones the manifest names.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .treemap import blob_id
+
+HOME = Path(os.environ.get("GLM53_HOME", "/opt/glm53"))
+CONFIG_ROOT = Path(os.environ.get("GLM53_CONFIGS", "/etc/glm53"))
+AOT_MODULE = "fused_moe_trtllm_sm100"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str   # PASS, WARN, FAIL
+    detail: str
+
+
+def _pin_versions(manifest: dict) -> dict[str, str]:
+    """Project name -> pinned version, from the manifest's inputs (pins.toml)."""
+    out = {}
+    for entry in manifest.get("inputs", []):
+        if entry.get("role") in ("image", "upstream"):
+            out[re.sub(r"[-_.]+", "-", entry["name"]).lower()] = entry["version"]
+    return out
+
+
+def check_version(name: str, installed: str | None, pinned: str | None, local: str | None = None) -> Check:
+    if pinned is None:
+        return Check(f"version {name}", "FAIL", "the manifest pins no version for it")
+    if installed is None:
+        return Check(f"version {name}", "FAIL", f"not installed (pinned {pinned})")
+    public, _, local_part = installed.partition("+")
+    if public != pinned:
+        return Check(f"version {name}", "FAIL", f"{installed} installed, {pinned} pinned")
+    if local is not None and local_part != local:
+        return Check(f"version {name}", "FAIL", f"{installed}: local part should be {local!r} (the patched tree)")
+    return Check(f"version {name}", "PASS", installed)
+
+
+def _installed_version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def installed_path(site: Path, tree_path: str, data_prefixes: tuple[str, ...]) -> Path | None:
+    for prefix in ("", *data_prefixes):
+        candidate = site / prefix / tree_path
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def compare_tree(name: str, treemap: dict, site: Path, package: str, data_prefixes: tuple[str, ...] = ()) -> Check:
+    """Installed files vs the patched tree's blob ids; the series' files must be patched."""
+    files: dict[str, str] = treemap["files"]
+    checked = differ = 0
+    wrong: list[str] = []
+    for tree_path, oid in files.items():
+        if not (tree_path.startswith(package + "/") or any(tree_path.startswith(p) for p in ("csrc/", "include/"))):
+            continue
+        found = installed_path(site, tree_path, data_prefixes)
+        if found is None:
+            continue
+        checked += 1
+        if blob_id(found.read_bytes()) != oid:
+            differ += 1
+            wrong.append(tree_path)
+    series_files = [(p, c) for p, c in treemap["changed"].items() if c["patched"]]
+    patched_ok, pristine_seen, not_shipped = [], [], []
+    for tree_path, change in series_files:
+        found = installed_path(site, tree_path, data_prefixes)
+        if found is None:
+            not_shipped.append(tree_path)
+            continue
+        oid = blob_id(found.read_bytes())
+        if oid == change["patched"]:
+            patched_ok.append(tree_path)
+        elif oid == change["pristine"]:
+            pristine_seen.append(tree_path)
+    tree = treemap["patched_tree"][:12]
+    if pristine_seen:
+        return Check(f"patched {name}", "FAIL", f"PRISTINE content installed for {', '.join(pristine_seen)}")
+    if differ:
+        return Check(f"patched {name}", "FAIL", f"{differ} of {checked} files differ from tree {tree}: {', '.join(wrong[:3])}")
+    if not patched_ok and series_files:
+        return Check(f"patched {name}", "FAIL", f"none of the {len(series_files)} files the series changes is installed")
+    return Check(f"patched {name}", "PASS", f"tree {tree}: {checked} files match, {len(patched_ok)} patched by the series "
+                 f"({len(not_shipped)} series files are tests/sources not shipped)")
+
+
+def check_aot(aot: dict, site: Path) -> Check:
+    expected = site / "flashinfer" / "data" / "aot" / AOT_MODULE / f"{AOT_MODULE}.so"
+    try:
+        from flashinfer.jit import env as jit_env
+        resolved = Path(jit_env.get_aot_path(AOT_MODULE))
+    except Exception as exc:  # noqa: BLE001 - any import failure is the finding
+        return Check("flashinfer fused-MoE AOT", "FAIL", f"cannot ask FlashInfer: {type(exc).__name__}: {exc}")
+    arch = aot.get("cuda_arch_list", "?")
+    if aot.get("status") == "built":
+        if resolved != expected or not resolved.is_file():
+            return Check("flashinfer fused-MoE AOT", "FAIL", f"FlashInfer resolves {resolved}, the build put it at {expected}")
+        import hashlib
+        if hashlib.sha256(resolved.read_bytes()).hexdigest() != aot.get("sha256"):
+            return Check("flashinfer fused-MoE AOT", "FAIL", f"{resolved}: sha256 differs from the build record")
+        return Check("flashinfer fused-MoE AOT", "PASS", f"{AOT_MODULE} for {arch} -> {resolved}")
+    if resolved.is_file():
+        return Check("flashinfer fused-MoE AOT", "FAIL", f"{resolved} exists but the build recorded status {aot.get('status')!r}")
+    reason = aot.get("reason", "no build record")
+    return Check("flashinfer fused-MoE AOT", "WARN",
+                 f"MISSING {AOT_MODULE} for {arch}: {reason}. {aot.get('consequence', '')}")
+
+
+def nixl_plugins(site: Path) -> list[Path]:
+    return sorted(p for p in site.rglob("libplugin_*.so") if "nixl" in str(p).lower())
+
+
+def check_ldd(plugins: list[Path]) -> Check:
+    if not plugins:
+        return Check("nixl plugins ldd", "FAIL", "no NIXL plugin (libplugin_*.so) found")
+    missing: dict[str, list[str]] = {}
+    for plugin in plugins:
+        out = subprocess.run(["ldd", str(plugin)], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if "not found" in line:
+                missing.setdefault(plugin.name, []).append(line.split("=>")[0].strip())
+    names = ", ".join(p.name.removeprefix("libplugin_").removesuffix(".so") for p in plugins)
+    if missing:
+        text = "; ".join(f"{k}: {', '.join(v)}" for k, v in missing.items())
+        return Check("nixl plugins ldd", "FAIL", f"unresolved: {text}")
+    fabric = next((p for p in plugins if "LIBFABRIC" in p.name), None)
+    where = ""
+    if fabric is not None:
+        out = subprocess.run(["ldd", str(fabric)], capture_output=True, text=True).stdout
+        hit = re.search(r"libfabric\.so\.1 => (\S+)", out)
+        where = f"; libfabric.so.1 => {hit.group(1) if hit else '?'}"
+    return Check("nixl plugins ldd", "PASS", f"{len(plugins)} plugins ({names}) resolve every library{where}")
+
+
+def check_torch(pinned_cuda: str) -> Check:
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001
+        return Check("torch cuda build", "FAIL", f"import torch: {exc}")
+    cuda = torch.version.cuda or "none"
+    if not cuda.startswith(pinned_cuda):
+        return Check("torch cuda build", "FAIL", f"torch {torch.__version__} is built for CUDA {cuda}, want {pinned_cuda}")
+    return Check("torch cuda build", "PASS", f"torch {torch.__version__} CUDA {cuda} (no GPU needed for this check)")
+
+
+def check_files(home: Path, config_root: Path) -> list[Check]:
+    out = []
+    try:
+        manifest = json.loads((home / "manifest.json").read_text())
+        sbom = json.loads((home / "sbom.cdx.json").read_text())
+        n = len(sbom["components"])
+        dists = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() for d in md.distributions() if d.metadata["Name"]}
+        status = "PASS" if sbom.get("bomFormat") == "CycloneDX" and n == len(dists) else "FAIL"
+        out.append(Check("manifest+sbom", status, f"manifest schema {manifest.get('schema')}, CycloneDX "
+                         f"{sbom.get('specVersion')} with {n} components for {len(dists)} installed packages"))
+    except (OSError, ValueError, KeyError) as exc:
+        out.append(Check("manifest+sbom", "FAIL", str(exc)))
+    need = [config_root / r / "vllm.yaml" for r in ("prefill", "decode", "aggregated")]
+    need += [home / "pd-proxy" / "toy_proxy_server.py"]
+    need += [home / "scripts" / t for t in ("replay", "valkey-stats", "needle", "profile-capture", "kv-sizing", "entrypoint")]
+    missing = [str(p) for p in need if not p.is_file()]
+    out.append(Check("presets+tools", "FAIL" if missing else "PASS",
+                     f"missing {', '.join(missing)}" if missing else "prefill/decode/aggregated presets, pd-proxy, 5 tools"))
+    cache_vars = ("HF_HOME", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "VLLM_CACHE_ROOT")
+    bad = []
+    for var in cache_vars:
+        path = Path(os.environ.get(var, "/nonexistent"))
+        probe = path if path.exists() else path.parent
+        if not os.access(probe, os.W_OK):
+            bad.append(f"{var}={path}")
+    out.append(Check("writable caches", "FAIL" if bad else "PASS",
+                     f"not writable: {', '.join(bad)}" if bad else f"{', '.join(cache_vars)} writable as uid {os.getuid()}"))
+    return out
+
+
+def runtime_checks(home: Path, config_root: Path) -> list[Check]:
+    manifest = json.loads((home / "manifest.json").read_text())
+    pins = _pin_versions(manifest)
+    site = Path(sysconfig.get_paths()["purelib"])
+    trees = {name: json.loads((home / "trees" / f"{name}.json").read_text()) for name in ("lmcache", "flashinfer")}
+    checks = [Check("python", "PASS" if sys.version_info[:2] == (3, 11) else "FAIL", sys.version.split()[0])]
+    checks.append(check_version("vllm", _installed_version("vllm"), pins.get("vllm")))
+    checks.append(check_version("torch", _installed_version("torch"), pins.get("torch")))
+    checks.append(check_version("nixl-cu13", _installed_version("nixl-cu13"), pins.get("nixl-cu13")))
+    checks.append(check_version("lmcache", _installed_version("lmcache"), pins.get("lmcache"),
+                                local=f"glm53.{trees['lmcache']['patched_tree'][:12]}"))
+    checks.append(check_version("flashinfer-python", _installed_version("flashinfer-python"), pins.get("flashinfer-python")))
+    checks.append(check_torch("13.0"))
+    checks.append(compare_tree("lmcache", trees["lmcache"], site, "lmcache"))
+    checks.append(compare_tree("flashinfer", trees["flashinfer"], site, "flashinfer", ("flashinfer/data",)))
+    ext = sorted((site / "lmcache").glob("c_ops*.so"))
+    checks.append(Check("lmcache cuda ext", "PASS" if ext else "FAIL",
+                        ext[0].name if ext else "lmcache/c_ops*.so missing (built without BUILD_WITH_CUDA?)"))
+    checks.append(check_aot(json.loads((home / "flashinfer-aot.json").read_text()), site))
+    checks.append(check_ldd(nixl_plugins(site)))
+    checks.extend(check_files(home, config_root))
+    return checks
+
+
+def sources_checks(work: Path) -> list[Check]:
+    checks = [Check("python", "PASS" if sys.version_info[:2] == (3, 11) else "FAIL", sys.version.split()[0])]
+    manifest = json.loads((work / "manifest.json").read_text())
+    for name, entry in sorted(manifest["upstreams"].items()):
+        tree = work / "src" / name
+        got = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD^{tree}"], capture_output=True, text=True).stdout.strip()
+        mapped = json.loads((work / "trees" / f"{name}.json").read_text())["patched_tree"]
+        ok = got == entry.get("patched_tree") == mapped
+        checks.append(Check(f"tree {name}", "PASS" if ok else "FAIL",
+                            f"{len(entry['patches'])} patch(es), patched tree {got[:12]}"
+                            + ("" if ok else f" != manifest {entry.get('patched_tree', '?')[:12]} / map {mapped[:12]}")))
+    return checks
+
+
+def render(checks: list[Check], title: str) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = [title, "-" * len(title)]
+    lines += [f"{c.status:4}  {c.name:<{width}}  {c.detail}" for c in checks]
+    counts = {s: sum(c.status == s for c in checks) for s in ("PASS", "WARN", "FAIL")}
+    lines.append(f"self-test: {counts['PASS']} pass, {counts['WARN']} warn, {counts['FAIL']} fail")
+    return "\n".join(lines) + "\n"
+
+
+def exit_code(checks: list[Check], strict: bool) -> int:
+    bad = {"FAIL", "WARN"} if strict else {"FAIL"}
+    return 1 if any(c.status in bad for c in checks) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="self-test", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--strict", action="store_true", help="a WARN fails too")
+    p.add_argument("--stage", choices=("runtime", "sources"), default="runtime")
+    p.add_argument("--work", type=Path, default=Path("/work"))
+    args = p.parse_args(argv)
+    try:
+        checks = runtime_checks(HOME, CONFIG_ROOT) if args.stage == "runtime" else sources_checks(args.work)
+    except (OSError, ValueError, KeyError) as exc:
+        checks = [Check("self-test inputs", "FAIL", f"{type(exc).__name__}: {exc}")]
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks], indent=1))
+    else:
+        sys.stdout.write(render(checks, f"glm53-b300 image self-test ({args.stage})"))
+    return exit_code(checks, args.strict)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
