@@ -61,11 +61,15 @@ def ensure_debootstrap(log: Callable[[str], None]) -> str:
     return shutil.which("debootstrap") or "/usr/sbin/debootstrap"
 
 
-def ensure_base(engine: Engine, work: Path, log: Callable[[str], None] = print, rebuild: bool = False) -> str:
-    """Image id of the debootstrap base, building it when missing (1-2 min)."""
-    existing = None if rebuild else image_id(engine, TAG)
+def ensure_base(engine: Engine, work: Path, log: Callable[[str], None] = print, rebuild: bool = False,
+                suite: str = SUITE, tag: str = TAG) -> str:
+    """Image id of the debootstrap base, building it when missing (1-2 min).
+
+    ``suite``/``tag`` make other Debian releases the same way (the tests use
+    trixie, whose Python is not the pinned one, to prove the base check)."""
+    existing = None if rebuild else image_id(engine, tag)
     if existing:
-        log(f"base     {TAG} present (id {existing[:12]})")
+        log(f"base     {tag} present (id {existing[:12]})")
         return existing
     debootstrap = ensure_debootstrap(log)
     mirror = configured_mirror()
@@ -73,8 +77,8 @@ def ensure_base(engine: Engine, work: Path, log: Callable[[str], None] = print, 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=work, prefix="rootfs-") as tmp:
         root = Path(tmp) / "rootfs"
-        log(f"base     debootstrap {SUITE} (minbase + {', '.join(PACKAGES)}) from {mirror}")
-        result = subprocess.run([debootstrap, "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, str(root), mirror],
+        log(f"base     debootstrap {suite} (minbase + {', '.join(PACKAGES)}) from {mirror}")
+        result = subprocess.run([debootstrap, "--variant=minbase", f"--include={','.join(PACKAGES)}", suite, str(root), mirror],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise DistBuildError(f"debootstrap failed:\n{(result.stdout + result.stderr)[-2000:]}")
@@ -90,13 +94,13 @@ def ensure_base(engine: Engine, work: Path, log: Callable[[str], None] = print, 
             mnt = subprocess.run([engine.binary, "mount", ctr], capture_output=True, text=True, check=True).stdout.strip()
             subprocess.run(["tar", "-C", mnt, "-xf", str(tar)], check=True)
             subprocess.run([engine.binary, "umount", ctr], check=True)
-            subprocess.run([engine.binary, "commit", "--quiet", ctr, TAG], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([engine.binary, "commit", "--quiet", ctr, tag], check=True, stdout=subprocess.DEVNULL)
             subprocess.run([engine.binary, "rm", ctr], check=True, stdout=subprocess.DEVNULL)
         else:
-            subprocess.run([engine.binary, "import", "--change", "CMD [\"/bin/bash\"]", str(tar), TAG],
+            subprocess.run([engine.binary, "import", "--change", "CMD [\"/bin/bash\"]", str(tar), tag],
                            check=True, stdout=subprocess.DEVNULL)
-    new = image_id(engine, TAG)
+    new = image_id(engine, tag)
     if not new:
-        raise DistBuildError(f"{TAG}: imported but `{engine.name} inspect` cannot find it")
-    log(f"base     {TAG} built in {time.monotonic() - started:.0f} s (id {new[:12]})")
+        raise DistBuildError(f"{tag}: imported but `{engine.name} inspect` cannot find it")
+    log(f"base     {tag} built in {time.monotonic() - started:.0f} s (id {new[:12]})")
     return new

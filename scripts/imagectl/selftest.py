@@ -120,11 +120,16 @@ def compare_tree(name: str, treemap: dict, site: Path, package: str, data_prefix
                  f"({len(not_shipped)} series files are tests/sources not shipped)")
 
 
-def check_aot(aot: dict, site: Path) -> Check:
+def flashinfer_aot_path(module: str) -> Path:
+    """Where FlashInfer itself resolves an AOT module (its own resolver, as at run time)."""
+    from flashinfer.jit import env as jit_env
+    return Path(jit_env.get_aot_path(module))
+
+
+def check_aot(aot: dict, site: Path, resolve=flashinfer_aot_path) -> Check:
     expected = site / "flashinfer" / "data" / "aot" / AOT_MODULE / f"{AOT_MODULE}.so"
     try:
-        from flashinfer.jit import env as jit_env
-        resolved = Path(jit_env.get_aot_path(AOT_MODULE))
+        resolved = Path(resolve(AOT_MODULE))
     except Exception as exc:  # noqa: BLE001 - any import failure is the finding
         return Check("flashinfer fused-MoE AOT", "FAIL", f"cannot ask FlashInfer: {type(exc).__name__}: {exc}")
     arch = aot.get("cuda_arch_list", "?")

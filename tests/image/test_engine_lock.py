@@ -1,0 +1,74 @@
+"""Engine detection and configuration; the lock writer's checks."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from distbuild import engine, lock
+from distbuild.errors import DistBuildError
+from distbuild.pins import Pin
+
+
+def test_first_answering_engine_wins_and_a_dead_docker_does_not_count() -> None:
+    which = {"docker": "/usr/bin/docker", "podman": "/usr/bin/podman", "buildah": "/usr/bin/buildah"}.get
+    alive = {"/usr/bin/podman", "/usr/bin/buildah"}
+    found = engine.find_engine(probe=lambda cmd: cmd[0] in alive, which=which)
+    assert found == engine.Engine("podman", "/usr/bin/podman")
+    assert engine.find_engine(probe=lambda cmd: False, which=which) is None
+    assert engine.find_engine("buildah", probe=lambda cmd: cmd[0] in alive, which=which).name == "buildah"
+    with pytest.raises(DistBuildError, match="expected docker, podman or buildah"):
+        engine.find_engine("kaniko")
+
+
+def test_build_command_per_engine() -> None:
+    args = {"BASE_IMAGE": "abc"}
+    podman = engine.Engine("podman", "podman").build_cmd(Path("/r"), Path("/r/Dockerfile"), "sources", "t", args,
+                                                         {"build-ca": Path("/ca.crt")})
+    assert podman[:2] == ["podman", "build"] and "--format=docker" in podman and "--layers" in podman
+    assert "--build-arg=BASE_IMAGE=abc" in podman and "--secret=id=build-ca,src=/ca.crt" in podman
+    assert podman[-1] == "/r" and podman[podman.index("--target") + 1] == "sources"
+    assert engine.Engine("buildah", "buildah").build_cmd(Path("/r"), Path("/r/D"), "x", "t", {})[:2] == ["buildah", "bud"]
+    assert "--format=docker" not in engine.Engine("docker", "docker").build_cmd(Path("/r"), Path("/r/D"), "x", "t", {})
+
+
+def test_containers_conf_written_once_and_never_over_an_admins(tmp_path: Path) -> None:
+    conf = tmp_path / "containers.conf"
+    assert engine.write_containers_conf(conf, log=lambda _: None)
+    text = conf.read_text()
+    assert 'runtime = "runc"' in text and '"nofile=1024:1024"' in text and '"nproc=4096:4096"' in text
+    assert not engine.write_containers_conf(conf, log=lambda _: None)
+    conf.write_text("[engine]\nruntime = \"crun\"\n")
+    said: list[str] = []
+    assert not engine.write_containers_conf(conf, log=said.append)
+    assert "keeping the existing" in said[0] and conf.read_text().startswith("[engine]")
+
+
+def test_is_debian(tmp_path: Path) -> None:
+    release = tmp_path / "os-release"
+    release.write_text('PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"\nID=debian\n')
+    assert engine.is_debian(release)
+    release.write_text("ID=ubuntu\nID_LIKE=debian\n")
+    assert engine.is_debian(release)
+    release.write_text("ID=fedora\n")
+    assert not engine.is_debian(release)
+
+
+def _pin(name: str, filename: str, sha: str) -> Pin:
+    return Pin(name, "1.0", "wheel", "image", filename, sha, 1)
+
+
+def test_lock_refuses_a_closure_that_disagrees_with_the_pins() -> None:
+    locked = [lock.Locked("torch", "1.0", "torch-1.0-cp311-cp311-manylinux_2_28_x86_64.whl", "a" * 64)]
+    lock.check_against_pins(locked, [_pin("torch", "torch-1.0-cp311-cp311-manylinux_2_28_x86_64.whl", "a" * 64)])
+    with pytest.raises(DistBuildError, match="pins.toml pins .* the index resolved"):
+        lock.check_against_pins(locked, [_pin("torch", "torch-1.0-cp311-cp311-manylinux_2_28_x86_64.whl", "b" * 64)])
+    with pytest.raises(DistBuildError, match="not in the resolved closure"):
+        lock.check_against_pins(locked, [_pin("vllm", "vllm-1.0-cp38-abi3-manylinux_2_28_x86_64.whl", "c" * 64)])
+
+
+def test_lock_rendering_leaves_out_the_patched_projects() -> None:
+    locked = [lock.Locked("lmcache", "0.5.5", "lmcache.whl", "a" * 64), lock.Locked("torch", "2.13.0", "t.whl", "b" * 64)]
+    text = lock.render(locked, "title", ("lmcache",))
+    assert "lmcache==" not in text and "left out (installed from our patched builds): lmcache" in text
+    assert "torch==2.13.0 \\\n    --hash=sha256:" + "b" * 64 in text
