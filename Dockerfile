@@ -150,10 +150,10 @@ ARG FLASHINFER_CUDA_ARCH_LIST
 ARG MAX_JOBS
 COPY --from=sources /work/src/flashinfer /build/flashinfer
 WORKDIR /build/flashinfer
-# FLASHINFER_BUILD_NO_PIP: the env is provisioned; BUILD_NIXL_EP=0: NIXL-EP is
-# not part of this distribution.
+# FLASHINFER_BUILD_NO_PIP: the env is provisioned, its hooks must not install;
+# BUILD_NVEP=0: the NIXL-EP/NCCL-EP backends are not part of this distribution.
 RUN rm -rf .git \
-    && if ! FLASHINFER_BUILD_NO_PIP=1 BUILD_NIXL_EP=0 pip wheel --no-build-isolation --no-deps --progress-bar off -w /out .; then \
+    && if ! FLASHINFER_BUILD_NO_PIP=1 BUILD_NVEP=0 BUILD_NIXL_EP=0 BUILD_NCCL_EP=0 pip wheel --no-build-isolation --no-deps --progress-bar off -w /out .; then \
          echo "flashinfer-wheel: building the patched FlashInfer wheel failed" >&2; exit 1; \
        fi
 COPY scripts/imagectl/ /src/scripts/imagectl/
