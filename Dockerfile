@@ -72,7 +72,10 @@ ENV PATH=/opt/venv/bin:$PATH \
     DIST_CACHE_DIR=/var/cache/dist \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_INPUT=1
-COPY build/ /src/build/
+# Only the build tool and the pins: editing anything else under build/ or
+# scripts/ must not rebuild the compile stages.
+COPY build/distbuild/ /src/build/distbuild/
+COPY build/pins.toml /src/build/pins.toml
 
 ######################## toolchain: CUDA 13.0 from the pinned wheels ########################
 FROM build-base AS toolchain
@@ -97,7 +100,7 @@ ENV CUDA_HOME=/opt/cuda PATH=/opt/cuda/bin:$PATH
 FROM build-base AS sources
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 COPY patches/ /src/patches/
-COPY scripts/imagectl/ /src/scripts/imagectl/
+COPY scripts/imagectl/__init__.py scripts/imagectl/treemap.py /src/scripts/imagectl/
 # The project's own steps (build/distbuild): sdists by sha256, pristine commit,
 # `git am` of each patch with exact context; a patch that does not apply stops
 # here naming the patch and hunk. Then a file map of each tree, which the
@@ -156,7 +159,7 @@ RUN rm -rf .git \
     && if ! FLASHINFER_BUILD_NO_PIP=1 BUILD_NVEP=0 BUILD_NIXL_EP=0 BUILD_NCCL_EP=0 pip wheel --no-build-isolation --no-deps --progress-bar off -w /out .; then \
          echo "flashinfer-wheel: building the patched FlashInfer wheel failed" >&2; exit 1; \
        fi
-COPY scripts/imagectl/ /src/scripts/imagectl/
+COPY scripts/imagectl/__init__.py scripts/imagectl/flashinfer_aot.py /src/scripts/imagectl/
 # The fused-MoE module (fused_moe_trtllm_sm100, which serves sm_103 as well)
 # compiled for sm_103a into flashinfer/data/aot/, where FlashInfer loads AOT
 # modules from. It needs trtllm-gen headers that FlashInfer fetches from its
