@@ -60,11 +60,12 @@ RUN if ! command -v python3 >/dev/null; then \
       || { echo "base image ${BASE_IMAGE}: python3 has no venv/ensurepip (Debian: python3-venv)" >&2; exit 1; }
 
 ######################## build-base: the project's build tool ########################
+# python3-dev: LMCache's C++/CUDA extensions include Python.h.
 FROM base AS build-base
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # hadolint ignore=DL3008
 RUN apt-get update -qq \
-    && apt-get install -y -qq --no-install-recommends git g++ make ca-certificates \
+    && apt-get install -y -qq --no-install-recommends git g++ make python3-dev ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
