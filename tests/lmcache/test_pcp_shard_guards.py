@@ -1,0 +1,117 @@
+"""pcp_shard_store: unsupported combinations fail at engine init with a
+message naming the setting (0011), the switch without MLA or without PCP
+does nothing, and without the switch the engine behaves as upstream."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests.support.pcp_ranks import CHUNK_SIZE, HEAD_SIZE, NUM_LAYERS
+
+pytestmark = pytest.mark.lmcache
+
+GUARDS = "0011-pcp-shard-guards.patch"
+STORE = "0008-pcp-shard-store-and-lookup.patch"
+_ids = itertools.count()
+
+
+def build(world_size=4, pcp=4, use_mla=True, collectives=True, **config_overrides):
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.pcp_collectives import PCPCollectives
+
+    extra = {"pcp_shard_store": True}
+    extra.update(config_overrides.pop("extra_config", {}))
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK_SIZE, local_cpu=True, max_local_cpu_size=0.01, extra_config=extra, **config_overrides
+    )
+    metadata = LMCacheMetadata(
+        model_name="guards",
+        world_size=world_size,
+        local_world_size=world_size,
+        worker_id=1,
+        local_worker_id=1,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(NUM_LAYERS, 1, CHUNK_SIZE, 1, HEAD_SIZE),
+        use_mla=use_mla,
+        role="worker",
+        chunk_size=CHUNK_SIZE,
+        pcp_world_size=pcp,
+        pcp_rank=1,
+    )
+    pcp_collectives = None
+    if collectives:
+        pcp_collectives = PCPCollectives(1, pcp, None, None, None, torch.device("cpu"))
+    instance_id = f"guards-{next(_ids)}"
+    try:
+        return LMCacheEngineBuilder.get_or_create(
+            instance_id, config, metadata, None, None, None, pcp_collectives=pcp_collectives
+        )
+    finally:
+        LMCacheEngineBuilder.destroy(instance_id)
+
+
+@pytest.mark.fixes(GUARDS)
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"use_layerwise": True}, "use_layerwise"),
+        ({"enable_scheduler_bypass_lookup": True}, "enable_scheduler_bypass_lookup"),
+        ({"lookup_server_worker_ids": [0]}, "lookup_server_worker_ids"),
+        ({"world_size": 8}, "TP=1, PP=1"),  # PCP 4 inside a world of 8: TP or PP > 1
+    ],
+)
+def test_unsupported_combination_fails_at_init_naming_it(overrides, named):
+    kwargs = dict(overrides)
+    world_size = kwargs.pop("world_size", 4)
+    with pytest.raises(ValueError, match="pcp_shard_store") as info:
+        build(world_size=world_size, **kwargs)
+    assert named in str(info.value)
+
+
+@pytest.mark.fixes(GUARDS)
+@pytest.mark.parametrize("setting", ["enable_blending", "enable_p2p", "enable_pd"])
+def test_settings_that_need_other_services_are_rejected_by_the_validator(setting):
+    """Blending, P2P and PD need a tokenizer download or peers to build an
+    engine at all; the engine calls this validator first thing."""
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.pcp_shard import validate_pcp_shard_store
+
+    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK_SIZE, extra_config={"pcp_shard_store": True})
+    setattr(config, setting, True)
+    metadata = LMCacheMetadata(
+        model_name="guards", world_size=4, local_world_size=4, worker_id=1, local_worker_id=1,
+        kv_dtype=torch.bfloat16, kv_shape=(NUM_LAYERS, 1, CHUNK_SIZE, 1, HEAD_SIZE), use_mla=True,
+        pcp_world_size=4, pcp_rank=1,
+    )
+    with pytest.raises(ValueError, match=setting):
+        validate_pcp_shard_store(config, metadata)
+
+
+@pytest.mark.fixes(STORE)
+def test_worker_without_pcp_collectives_fails_at_init():
+    with pytest.raises(ValueError, match="collectives"):
+        build(collectives=False)
+
+
+@pytest.mark.fixes(STORE)
+def test_switch_without_mla_or_pcp_changes_nothing():
+    assert build(use_mla=False).pcp_shard_layout is None
+    engine = build(world_size=1, pcp=1)
+    assert engine.pcp_shard_layout is None
+    assert engine.save_only_first_rank  # MLA's upstream default still applies
+
+
+@pytest.mark.fixes(STORE)
+def test_sharded_keys_are_the_rank0_store_keys():
+    """Every rank names a chunk like the rank-0 store does (world size 1,
+    worker 0), so pods and rank-0 deployments share one cache."""
+    engine = build()
+    key = next(iter(engine.token_database.process_tokens(tokens=list(range(CHUNK_SIZE)))))[2]
+    assert (key.world_size, key.worker_id) == (1, 0)
+    assert engine.pcp_shard_layout.owner(5 * CHUNK_SIZE) == 1

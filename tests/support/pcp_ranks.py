@@ -1,0 +1,346 @@
+"""Real PCP ranks on CPU: W processes, torch.distributed over gloo, LMCache's
+real engine, storage manager, L1 and (optionally) a RESP L2 per rank.
+
+What stands in for what, and why:
+
+* ``CpuPagedKV`` stands in for vLLM's paged GPU KV cache and LMCache's GPU
+  connector (there is no GPU here): each rank holds the whole prompt's MLA KV
+  in a CPU tensor, as every PCP rank does after the all-gather, and the
+  connector copies chunk slices between it and LMCache's memory objects.
+* ``ResponseRecorder`` stands in for the async lookup server's ZMQ channel to
+  the scheduler: it records the token count each rank's storage layer
+  reports for a lookup id.
+
+Everything else is the real thing: process groups, the PCP collectives the
+patch series adds, the cache engine, the storage manager, the L1 allocator,
+Valkey servers and the native RESP client.
+
+A scenario is a module-level function ``scenario(ctx: RankContext, **kw)``;
+``run_ranks`` runs it on W spawned ranks and returns each rank's result. A
+rank that does not finish within the timeout (a hang in a collective) fails
+the run, and every rank is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+MODEL = "pcp-test-model"
+NUM_LAYERS = 3
+HEAD_SIZE = 8
+CHUNK_SIZE = 16
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    engine: Any
+    kv: "CpuPagedKV"
+    responses: "ResponseRecorder"
+    collectives: Any
+    workdir: Path
+    options: dict = field(default_factory=dict)
+
+
+class ResponseRecorder:
+    """Records what the storage layer reports to the scheduler per lookup id."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self.responses: dict[str, int] = {}
+
+    def send_response_to_scheduler(self, lookup_id: str, retrieved_length: int) -> None:
+        with self._done:
+            self.responses[lookup_id] = int(retrieved_length)
+            self._done.notify_all()
+
+    def wait(self, lookup_id: str, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        with self._done:
+            while lookup_id not in self.responses:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no prefetch response for {lookup_id}")
+                self._done.wait(left)
+            return self.responses[lookup_id]
+
+
+def _connector_base():
+    from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
+
+    return MockGPUConnector
+
+
+def make_kv_connector(max_tokens: int, num_layers: int = NUM_LAYERS, head_size: int = HEAD_SIZE, chunk_size: int = CHUNK_SIZE):
+    """A CpuPagedKV instance (the class is built lazily so that importing this
+    module does not import LMCache)."""
+    import torch
+
+    base = _connector_base()
+
+    class CpuPagedKV(base):  # type: ignore[misc, valid-type]
+        """The prompt's MLA KV of one rank, [1, layers, tokens, head]."""
+
+        def __init__(self) -> None:
+            super().__init__(kv_shape=(num_layers, 1, chunk_size, 1, head_size))
+            self.kv = torch.zeros(1, num_layers, max_tokens, head_size, dtype=torch.bfloat16)
+
+        def fill(self, seed: int, num_tokens: int) -> None:
+            """The KV every rank holds after the all-gather: a pure function
+            of (seed, token position), the same on all ranks."""
+            gen = torch.Generator().manual_seed(seed)
+            data = torch.randn(1, num_layers, num_tokens, head_size, generator=gen)
+            self.kv.zero_()
+            self.kv[:, :, :num_tokens, :] = data.to(torch.bfloat16)
+
+        def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
+            for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+                obj.tensor.copy_(self.kv[:, :, start:end, :])
+
+        def batched_to_gpu(self, memory_objs, starts, ends, **kwargs):
+            for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+                self.kv[:, :, start:end, :] = obj.tensor.reshape(1, num_layers, end - start, head_size)
+
+    return CpuPagedKV()
+
+
+def build_engine(
+    rank: int,
+    world_size: int,
+    collectives: Any,
+    *,
+    instance_id: str,
+    shard: bool = True,
+    async_loading: bool = False,
+    remote_url: str | None = None,
+    l1_gb: float = 0.05,
+    first_rank_l1_gb: float | None = None,
+    max_tokens: int = 4096,
+    extra: dict | None = None,
+    num_layers: int = NUM_LAYERS,
+    head_size: int = HEAD_SIZE,
+    chunk_size: int = CHUNK_SIZE,
+):
+    import torch
+
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    extra_config: dict = {"pcp_shard_store": shard, "save_chunk_meta": False}
+    if first_rank_l1_gb is not None:
+        extra_config["first_rank_max_local_cpu_size"] = first_rank_l1_gb
+    if remote_url is not None:
+        extra_config["resp_num_threads"] = 2
+    extra_config.update(extra or {})
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=chunk_size,
+        local_cpu=True,
+        max_local_cpu_size=l1_gb,
+        remote_url=remote_url,
+        remote_serde="naive",
+        save_unfull_chunk=False,
+        enable_async_loading=async_loading,
+        blocking_timeout_secs=5,
+        extra_config=extra_config,
+    )
+    metadata = LMCacheMetadata(
+        model_name=MODEL,
+        world_size=world_size,
+        local_world_size=world_size,
+        worker_id=rank,
+        local_worker_id=rank,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(num_layers, 1, chunk_size, 1, head_size),
+        use_mla=True,
+        role="worker",
+        chunk_size=chunk_size,
+        pcp_world_size=world_size,
+        pcp_rank=rank,
+    )
+    kv = make_kv_connector(max_tokens, num_layers, head_size, chunk_size)
+    engine = LMCacheEngineBuilder.get_or_create(
+        instance_id,
+        config,
+        metadata,
+        kv,
+        collectives.broadcast,
+        collectives.broadcast_object,
+        pcp_collectives=collectives,
+    )
+    responses = ResponseRecorder()
+    engine.post_init(async_lookup_server=responses)
+    return engine, kv, responses
+
+
+def _process_main(
+    rank: int,
+    world_size: int,
+    workdir: str,
+    target: Callable[..., Any],
+    kwargs: dict,
+) -> None:
+    """Run ``target(rank, world_size, workdir, **kwargs)`` and write its result
+    (or traceback) where the parent reads it."""
+    out = Path(workdir) / f"rank{rank}.pickle"
+    try:
+        payload: Any = ("ok", target(rank, world_size, workdir, **kwargs))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        payload = ("error", traceback.format_exc())
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(payload))
+    tmp.rename(out)
+    # Background threads (event loops, RESP clients) are not joined: the
+    # process exits once its result is on disk.
+    os._exit(0)
+
+
+def _engine_rank(
+    rank: int,
+    world_size: int,
+    workdir: str,
+    scenario: Callable[..., Any],
+    engine_options: dict,
+    scenario_kwargs: dict,
+) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{workdir}/rendezvous",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    from lmcache.v1.pcp_collectives import PCPCollectives
+
+    ranks = list(range(world_size))
+    cpu_group = dist.new_group(ranks, backend="gloo")
+    device_group = dist.new_group(ranks, backend="gloo")
+    collectives = PCPCollectives.from_process_groups(ranks, cpu_group, device_group, torch.device("cpu"))
+    remote_urls = engine_options.pop("remote_urls", None)
+    if remote_urls is not None:
+        engine_options["remote_url"] = remote_urls[rank]
+    engine, kv, responses = build_engine(
+        rank,
+        world_size,
+        collectives,
+        instance_id=f"pcp-rank-{rank}",
+        **engine_options,
+    )
+    ctx = RankContext(rank, world_size, engine, kv, responses, collectives, Path(workdir))
+    result = scenario(ctx, **scenario_kwargs)
+    dist.barrier(group=cpu_group)
+    return result
+
+
+_FORKSERVER = None
+
+
+def _context():
+    """Ranks fork from a server process that imported torch and LMCache once
+    (spawning each rank from scratch costs ~10 s of imports per rank on two
+    cores). The server is a clean single-threaded process, not pytest."""
+    global _FORKSERVER
+    import torch.multiprocessing as mp
+
+    if _FORKSERVER is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(
+            # LMCache's token database imports vLLM's hash functions when vLLM is
+            # installed (~7-13 s here): import it once in the server too.
+            ["torch", "torch.distributed", "vllm.v1.core.kv_cache_utils", "lmcache.v1.cache_engine", "tests.lmcache.pcp_scenarios"]
+        )
+        _FORKSERVER = ctx
+    return _FORKSERVER
+
+
+def run_ranks(
+    world_size: int,
+    scenario: Callable[..., Any],
+    workdir: Path,
+    *,
+    timeout_s: float = 180.0,
+    engine_options: dict | None = None,
+    **scenario_kwargs: Any,
+) -> list[Any]:
+    """Run ``scenario`` on ``world_size`` real ranks, each with a sharded
+    engine on a real PCP group; return their results (see run_processes)."""
+    return run_processes(
+        world_size,
+        _engine_rank,
+        workdir,
+        timeout_s=timeout_s,
+        scenario=scenario,
+        engine_options=dict(engine_options or {}),
+        scenario_kwargs=scenario_kwargs,
+    )
+
+
+def run_processes(
+    world_size: int,
+    target: Callable[..., Any],
+    workdir: Path,
+    *,
+    timeout_s: float = 180.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``target(rank, world_size, workdir, **kwargs)`` in ``world_size``
+    processes; return their results.
+
+    The processes fork from one server process, so they share its hash seed
+    (LMCache's builtin chunk hash needs one seed across ranks, as
+    PYTHONHASHSEED gives in production).
+
+    Raises AssertionError naming the ranks that raised or did not finish in
+    ``timeout_s`` (a hang in a collective)."""
+    import torch.multiprocessing as mp
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    ctx = _context()
+    procs = [
+        ctx.Process(
+            target=_process_main,
+            args=(rank, world_size, str(workdir), target, kwargs),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    if hung:
+        raise AssertionError(f"W={world_size}: ranks {hung} did not finish within {timeout_s:.0f} s (hang)")
+    results: list[Any] = []
+    errors: list[str] = []
+    for rank in range(world_size):
+        path = workdir / f"rank{rank}.pickle"
+        if not path.exists():
+            errors.append(f"rank {rank}: exited with {procs[rank].exitcode} and no result")
+            continue
+        status, value = pickle.loads(path.read_bytes())
+        if status != "ok":
+            errors.append(f"rank {rank} raised:\n{value}")
+        results.append(value)
+    if errors:
+        raise AssertionError(f"W={world_size}:\n" + "\n".join(errors))
+    return results
