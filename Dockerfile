@@ -101,7 +101,7 @@ ENV CUDA_HOME=/opt/cuda PATH=/opt/cuda/bin:$PATH
 FROM build-base AS sources
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 COPY patches/ /src/patches/
-COPY scripts/imagectl/__init__.py scripts/imagectl/treemap.py scripts/imagectl/selftest.py /src/scripts/imagectl/
+COPY scripts/imagectl/__init__.py scripts/imagectl/treemap.py /src/scripts/imagectl/
 # The project's own steps (build/distbuild): sdists by sha256, pristine commit,
 # `git am` of each patch with exact context; a patch that does not apply stops
 # here naming the patch and hunk. Then a file map of each tree, which the

@@ -171,21 +171,22 @@ class Builder:
         return tag
 
     def run(self, image: str, argv: list[str], env: dict[str, str] | None = None,
-            entrypoint: str | None = None) -> subprocess.CompletedProcess:
+            entrypoint: str | None = None, volumes: dict[Path, str] | None = None) -> subprocess.CompletedProcess:
         env = env or {}
+        mounts = [f"--volume={host}:{inside}:ro" for host, inside in (volumes or {}).items()]
         if self.engine.name == "buildah":
             ctr = subprocess.run([self.engine.binary, "from", "--quiet", image], capture_output=True, text=True,
                                  check=True).stdout.strip()
             try:
                 envs = [f"--env={k}={v}" for k, v in env.items()]
                 prog = [entrypoint] if entrypoint else ["/usr/bin/tini", "--", "/opt/glm53/scripts/entrypoint"]
-                return subprocess.run([self.engine.binary, "run", *envs, ctr, "--", *prog, *argv],
+                return subprocess.run([self.engine.binary, "run", *envs, *mounts, ctr, "--", *prog, *argv],
                                       capture_output=True, text=True)
             finally:
                 subprocess.run([self.engine.binary, "rm", ctr], capture_output=True)
         envs = [f"--env={k}={v}" for k, v in env.items()]
         ep = [f"--entrypoint={entrypoint}"] if entrypoint else []
-        return subprocess.run([self.engine.binary, "run", "--rm", "--network=none", *envs, *ep, image, *argv],
+        return subprocess.run([self.engine.binary, "run", "--rm", "--network=none", *envs, *mounts, *ep, image, *argv],
                               capture_output=True, text=True)
 
     def read_json(self, image: str, path: str) -> dict:
@@ -247,8 +248,10 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print) ->
             tag = builder.build_stage(stage, args)
             if stage == "sources":
                 manifest = builder.read_json(tag, "/work/trees/manifest.json")
+                # The checker is the repository's (mounted read-only), so editing it never rebuilds the stage.
                 check = builder.run(tag, ["-m", "imagectl.selftest", "--stage", "sources"],
-                                    env={"PYTHONPATH": "/src/scripts"}, entrypoint="python3")
+                                    env={"PYTHONPATH": "/selftest"}, entrypoint="python3",
+                                    volumes={layout.repo / "scripts": "/selftest"})
                 print(check.stdout + check.stderr, end="")
                 report["sources_selftest"] = check.stdout
                 if check.returncode != 0:
