@@ -20,7 +20,9 @@ Derived, never set by hand (so they cannot drift apart):
   * LMCache's remote_url host = the rendered shard Services, in the cell's
     namespace (the file's URL must have the valkey-lmcache-{rank} form);
   * GPUs per pod = the engine's world size (x data-parallel size on decode);
-  * the prefill pod's memory = LMCache L1 (max_local_cpu_size x ranks) + overhead;
+  * the prefill pod's memory = LMCache's L1 for the pod + overhead (with
+    pcp_shard_store the configured size is the pod's, split over the ranks;
+    without it, max_local_cpu_size is per rank);
   * the config mount = the directory of LMCACHE_CONFIG_FILE in configs/prefill/env;
   * the proxy's prefill/decode host lists = the StatefulSet pods.
 check_rendered() re-reads the rendered objects and fails when remote_url's
@@ -280,6 +282,18 @@ def prefill_lmcache_text(path: Path, namespace: str) -> tuple[str, dict]:
     return text, cfg
 
 
+def pod_l1_gib(lmcache_cfg: dict, ranks: int) -> float:
+    """The prefill pod's LMCache L1 in GiB, as the patched LMCache allocates it:
+    under pcp_shard_store every rank takes budget / ranks of the pod's budget
+    (first_rank_max_local_cpu_size if set, else max_local_cpu_size); otherwise
+    every rank allocates max_local_cpu_size."""
+    size = lmcache_cfg.get("max_local_cpu_size", 5.0)
+    extra = lmcache_cfg.get("extra_config") or {}
+    if extra.get("pcp_shard_store") and ranks > 1:
+        return float(extra.get("first_rank_max_local_cpu_size", size))
+    return float(size) * ranks
+
+
 def valkey_args(params: dict) -> list[str]:
     """valkey-server arguments of every shard (tests start real servers with them)."""
     v = params["valkey"]
@@ -397,7 +411,7 @@ def render(params: dict, configs: Path = CONFIGS) -> list[dict]:
     shards = shard_count(params, prefill_cfg)
     lmcache_text, lmcache_cfg = prefill_lmcache_text(prefill_dir / "lmcache.yaml", ns)
     ranks = engine_ranks(prefill_cfg)
-    l1_gib = lmcache_cfg.get("max_local_cpu_size", 5.0) * ranks
+    l1_gib = pod_l1_gib(lmcache_cfg, ranks)
     prefill_memory = int(-(-l1_gib // 1)) + params["prefill"]["memory_overhead_gib"]
 
     prefill_cm = _configmap("prefill", params, {

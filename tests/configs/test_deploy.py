@@ -255,7 +255,7 @@ def test_gpu_pods(docs, role, gpus, memory):
     assert c["image"] == IMAGE
     assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
     assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == 16
-    assert c["resources"]["limits"]["memory"] == memory  # prefill: 8 x 96 GiB L1 + 256 GiB
+    assert c["resources"]["limits"]["memory"] == memory  # prefill: 768 GiB L1 (8 x 96) + 256 GiB
     assert c["command"] == ["vllm", "serve", "/models/GLM-5.3-FP8", "--config", f"/etc/glm53/{role}/vllm.yaml"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     assert c["startupProbe"]["httpGet"]["path"] == "/health"

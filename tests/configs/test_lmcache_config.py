@@ -24,7 +24,7 @@ def loaded(validate):
 def test_prefill_lmcache_config_loads(loaded):
     assert loaded.chunk_size == 256
     assert loaded.local_cpu is True
-    assert loaded.max_local_cpu_size == 96
+    assert loaded.max_local_cpu_size == 768
     assert loaded.remote_url == "resp://valkey-lmcache-{rank}.vllm.svc.cluster.local:6379"
     assert loaded.enable_async_loading is True
     assert loaded.lookup_timeout_ms == 4000
@@ -51,7 +51,7 @@ BROKEN = {
     "str-for-int": (("chunk_size: 256", 'chunk_size: "256"'), "chunk_size", "expected int, got str '256'"),
     "str-for-bool": (("enable_async_loading: true", "enable_async_loading: maybe"),
                      "enable_async_loading", "expected bool"),
-    "str-for-float": (("max_local_cpu_size: 96", "max_local_cpu_size: lots"), "max_local_cpu_size", "expected float"),
+    "str-for-float": (("max_local_cpu_size: 768", "max_local_cpu_size: lots"), "max_local_cpu_size", "expected float"),
     "extra-unknown": (("resp_num_threads: 32", "resp_num_thread: 32"), "extra_config.resp_num_thread",
                       "did you mean 'resp_num_threads'"),
     "extra-type": (("pcp_shard_store: true", "pcp_shard_store: 1"), "extra_config.pcp_shard_store", "expected bool"),
