@@ -129,16 +129,23 @@ ARG PYTHON_VERSION
 ARG LMCACHE_VERSION
 ARG TORCH_CUDA_ARCH_LIST
 ARG MAX_JOBS
+# cuBLAS headers of CUDA 13.0, the toolchain's release (build/lock/cuda-headers.txt says why).
+COPY build/lock/cuda-headers.txt /src/build/lock/cuda-headers.txt
+# hadolint ignore=DL3042
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=build-ca \
+    with-build-ca pip install --require-hashes --no-deps --progress-bar off --target /opt/cuda-headers \
+      -r /src/build/lock/cuda-headers.txt
 COPY --from=sources /work/src/lmcache /build/lmcache
 COPY --from=sources /work/trees/lmcache.json /build/lmcache.json
-# CUDA_HOME explicit (found through PATH it resolves the wrong prefix); torch's
-# nvidia/cu13/include carries the cuBLAS/cuSPARSE/cuSOLVER headers the nvcc
-# wheels lack. The version's local part names the patched tree.
+# CUDA_HOME explicit (found through PATH it resolves the wrong prefix); the
+# nvcc wheels lack the cuBLAS/cuSPARSE/cuSOLVER headers torch's headers
+# include: cuBLAS 13.0's from above first, then torch's nvidia/cu13/include.
+# The version's local part names the patched tree.
 WORKDIR /build/lmcache
 RUN tree="$(python -c 'import json; print(json.load(open("/build/lmcache.json"))["patched_tree"][:12])')" \
     && rm -rf .git \
     && export BUILD_WITH_CUDA=1 CUDA_HOME=/opt/cuda TORCH_CUDA_ARCH_LIST MAX_JOBS \
-       CPATH="/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13/include" \
+       CPATH="/opt/cuda-headers/nvidia/cu13/include:/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13/include" \
        SETUPTOOLS_SCM_PRETEND_VERSION="${LMCACHE_VERSION}+glm53.${tree}" \
     && echo "lmcache-wheel: building ${LMCACHE_VERSION}+glm53.${tree} for TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} (MAX_JOBS=${MAX_JOBS})" \
     && if ! pip wheel --no-build-isolation --no-deps --progress-bar off -w /out .; then \
