@@ -123,17 +123,22 @@ def test_ldd_of_plugins_names_a_missing_library(tmp_path: Path) -> None:
     plugins = tmp_path / "nixl_cu13.libs" / "plugins"
     plugins.mkdir(parents=True)
     dep = _cc(tmp_path, "libfabric.so.1", "int fi_version(void) { return 1; }\n", "-Wl,-soname,libfabric.so.1")
-    fabric = _cc(plugins, "libplugin_LIBFABRIC.so", "int fi_version(void); int p(void) { return fi_version(); }\n",
-                 f"-L{tmp_path}", "-l:libfabric.so.1", f"-Wl,-rpath,{tmp_path}")
+    _cc(plugins, "libplugin_LIBFABRIC.so", "int fi_version(void); int p(void) { return fi_version(); }\n",
+        f"-L{tmp_path}", "-l:libfabric.so.1", f"-Wl,-rpath,{tmp_path}")
     _cc(plugins, "libplugin_UCX.so", "int u(void) { return 0; }\n")
+    vendor = _cc(tmp_path, "libdoca_gpunetio.so.2", "int d(void) { return 2; }\n", "-Wl,-soname,libdoca_gpunetio.so.2")
+    _cc(plugins, "libplugin_GPUNETIO.so", "int d(void); int g(void) { return d(); }\n",
+        f"-L{tmp_path}", "-l:libdoca_gpunetio.so.2")   # no rpath: its vendor library is not found
+    vendor.unlink()
     found = selftest.nixl_plugins(tmp_path)
-    assert [p.name for p in found] == ["libplugin_LIBFABRIC.so", "libplugin_UCX.so"]
+    assert [p.name for p in found] == ["libplugin_GPUNETIO.so", "libplugin_LIBFABRIC.so", "libplugin_UCX.so"]
     good = selftest.check_ldd(found)
     assert good.status == "PASS" and f"libfabric.so.1 => {dep}" in good.detail
+    assert "optional plugins without their libraries: GPUNETIO (libdoca_gpunetio.so.2)" in good.detail
     dep.unlink()
     bad = selftest.check_ldd(found)
-    assert bad.status == "FAIL" and "libplugin_LIBFABRIC.so: libfabric.so.1" in bad.detail
-    assert fabric.exists()
+    assert bad.status == "FAIL" and bad.detail == "unresolved: LIBFABRIC: libfabric.so.1"
+    assert selftest.check_ldd([p for p in found if "UCX" not in p.name]).detail.startswith("required plugin(s) UCX")
     assert selftest.check_ldd([]).status == "FAIL"
 
 
