@@ -27,8 +27,8 @@ max/mean bytes <= 1 + one chunk's share of the mean, and the slowest rank's
 time reduced close to W times. Writes a JSON next to the table when --json
 is given. Exit status 0 when both goals hold, 3 when a goal is missed.
 
-Run: ``PYTHONPATH=. work/venv/bin/python benchmarks/pcp_store_critical_path.py``
-(``make bench-pcp-store`` does this).
+Run: ``PYTHONPATH=. work/venv/bin/python benchmarks/pcp_store_critical_path.py
+--json work/bench/pcp_store.json --png work/bench/pcp_store.png``.
 """
 
 from __future__ import annotations
@@ -156,6 +156,37 @@ def summarize(world_size: int, per_rank: list[dict[str, Any]]) -> list[dict[str,
     return rows
 
 
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({row["W"] for row in rows})
+    modes = ["rank-0 store", "sharded"]
+    fig, (ax_bytes, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.38
+    for offset, mode in zip((-width / 2, width / 2), modes):
+        picked = [next(r for r in rows if r["W"] == w and r["mode"] == mode) for w in sizes]
+        xs = [i + offset for i in range(len(sizes))]
+        ax_bytes.bar(xs, [r["bytes_max"] / 1e6 for r in picked], width, label=mode)
+        ax_time.bar(xs, [r["slowest_store_cpu_s"] * 1e3 for r in picked], width, label=mode)
+    for ax, title, unit in (
+        (ax_bytes, "bytes copied by the busiest rank", "MB"),
+        (ax_time, "slowest rank's store (CPU time, median)", "ms"),
+    ):
+        ax.set_xticks(range(len(sizes)), [f"W={w}" for w in sizes])
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.25)  # room for the legend
+        ax.legend(loc="upper right")
+    fig.suptitle("Store critical path under PCP: rank-0 store vs PCP-sharded store")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", default="2,4,8")
@@ -163,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--layers", type=int, default=12, help="layers per chunk (12: 3.5 MB chunks)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--png", type=Path, help="bar charts of bytes per rank and the slowest rank's store time")
     args = parser.parse_args(argv)
 
     rows: list[dict[str, Any]] = []
@@ -204,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2))
+    if args.png:
+        plot(rows, args.png)
+        print(f"wrote {args.png}")
     print("goals met" if ok else "GOAL MISSED")
     return 0 if ok else 3
 
