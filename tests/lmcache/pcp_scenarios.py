@@ -43,7 +43,9 @@ def kv_matches(ctx: RankContext, seed: int, num_tokens: int, prefix: int) -> boo
 
 
 def kv_digest(ctx: RankContext, num_tokens: int) -> str:
-    data = ctx.kv.kv[:, :, :num_tokens, :].contiguous().view(-1).view(dtype=__import__("torch").uint8)
+    import torch
+
+    data = ctx.kv.kv[:, :, :num_tokens, :].contiguous().view(-1).view(dtype=torch.uint8)
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
 
