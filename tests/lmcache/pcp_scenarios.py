@@ -74,11 +74,13 @@ def store_then_load(
         lookup = ctx.engine.lookup(tokens)
         fault = case.get("fault", {}).get(ctx.rank)
         restore = apply_fault(ctx, fault)
+        log_start = len(ctx.collectives.log)
         try:
             ctx.kv.kv.zero_()
             mask = ctx.engine.retrieve(tokens, req_id=f"req-{seed}")
         finally:
             restore()
+        collectives = ctx.collectives.log[log_start:]
         prefix = int(mask.sum())
         contiguous = bool(mask[:prefix].all()) and not bool(mask[prefix:].any())
         seed += case.get("prompt_shift", {}).get(ctx.rank, 0)
@@ -90,6 +92,7 @@ def store_then_load(
                 "contiguous": contiguous,
                 "digest": kv_digest(ctx, num_tokens),
                 "kv_ok": kv_matches(ctx, seed, num_tokens, prefix),
+                "collectives": collectives,
             }
         )
     return results

@@ -32,6 +32,18 @@ def assert_consistent(results: list[list[dict]], case: int, expected_prefix: int
     assert all(r["kv_ok"] for r in per_rank), f"case {case}: KV differs from the stored KV"
     assert len({r["digest"] for r in per_rank}) == 1, f"case {case}: ranks hold different KV"
     assert all(r.get("contiguous", True) for r in per_rank)
+    if "collectives" in per_rank[0]:
+        # the protocol: every rank issued the same collectives in the same
+        # order, one all-gather and at most one broadcast per owning rank
+        logs = [r["collectives"] for r in per_rank]
+        assert all(log == logs[0] for log in logs), f"case {case}: ranks issued different collectives {logs}"
+        ops = [op for op, _, _ in logs[0]]
+        assert ops[0] == "all_gather_object" and ops.count("all_gather_object") == 1, ops
+        sources = [src for op, src, _ in logs[0] if op == "broadcast"]
+        assert sources == sorted(set(sources)) and len(sources) <= len(per_rank), sources
+        if expected_prefix > 0:
+            owners = {(start // CHUNK_SIZE) % len(per_rank) for start in range(0, expected_prefix, CHUNK_SIZE)}
+            assert sources == sorted(owners), (sources, owners)
 
 
 @pytest.mark.fixes(SYNC)

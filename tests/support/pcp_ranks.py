@@ -183,6 +183,33 @@ def build_engine(
     return engine, kv, responses
 
 
+def record_collectives(collectives: Any) -> Any:
+    """The same collectives, each call appended to ``.log`` as (operation,
+    source rank, bytes) so tests can check that every rank issued the same
+    collectives in the same order."""
+    from dataclasses import replace
+
+    log: list[tuple] = []
+
+    def broadcast(tensor, src):
+        log.append(("broadcast", src, tensor.numel() * tensor.element_size()))
+        return collectives.broadcast(tensor, src)
+
+    def broadcast_object(obj, src):
+        log.append(("broadcast_object", src, None))
+        return collectives.broadcast_object(obj, src)
+
+    def all_gather_object(obj):
+        log.append(("all_gather_object", None, None))
+        return collectives.all_gather_object(obj)
+
+    recorded = replace(
+        collectives, broadcast=broadcast, broadcast_object=broadcast_object, all_gather_object=all_gather_object
+    )
+    object.__setattr__(recorded, "log", log)
+    return recorded
+
+
 def _process_main(
     rank: int,
     world_size: int,
@@ -229,7 +256,9 @@ def _engine_rank(
     ranks = list(range(world_size))
     cpu_group = dist.new_group(ranks, backend="gloo")
     device_group = dist.new_group(ranks, backend="gloo")
-    collectives = PCPCollectives.from_process_groups(ranks, cpu_group, device_group, torch.device("cpu"))
+    collectives = record_collectives(
+        PCPCollectives.from_process_groups(ranks, cpu_group, device_group, torch.device("cpu"))
+    )
     remote_urls = engine_options.pop("remote_urls", None)
     if remote_urls is not None:
         engine_options["remote_url"] = remote_urls[rank]
