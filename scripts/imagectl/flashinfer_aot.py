@@ -42,8 +42,8 @@ def consequence(store: str) -> str:
     return (f"FlashInfer has no ahead-of-time {MODULE} in this image: on the GPU node it JIT-compiles the module at "
             f"first use of the trtllm-gen fused MoE (several minutes per arch with nvcc, which the image carries "
             f"through vLLM's dependencies) and downloads the export headers, flashinferMetaInfo.h and the "
-            f"batched-GEMM cubins from {store}: the node needs network access to that store, or a FLASHINFER_CUBIN_DIR "
-            f"prefilled by a builder that can reach it (make image on such a builder does it).")
+            f"batched-GEMM cubins from {store}: the node needs network access to that store (or a FLASHINFER_CUBIN_DIR "
+            f"filled from it, which this image does not carry).")
 
 
 def probe(url: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[bytes | None, str]:
