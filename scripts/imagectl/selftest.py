@@ -218,7 +218,8 @@ def check_files(home: Path, config_root: Path) -> list[Check]:
         manifest = json.loads((home / "manifest.json").read_text())
         sbom = json.loads((home / "sbom.cdx.json").read_text())
         n = len(sbom["components"])
-        dists = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() for d in md.distributions() if d.metadata["Name"]}
+        dists = {(re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(), d.version)
+                 for d in md.distributions() if d.metadata["Name"]}
         status = "PASS" if sbom.get("bomFormat") == "CycloneDX" and n == len(dists) else "FAIL"
         out.append(Check("manifest+sbom", status, f"manifest schema {manifest.get('schema')}, CycloneDX "
                          f"{sbom.get('specVersion')} with {n} components for {len(dists)} installed packages"))
