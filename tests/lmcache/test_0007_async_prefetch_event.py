@@ -23,7 +23,7 @@ import itertools
 import pytest
 import torch
 
-from tests.support.pcp_ranks import CHUNK_SIZE, HEAD_SIZE, NUM_LAYERS, ResponseRecorder, make_kv_connector
+from tests.support.pcp_ranks import CHUNK_SIZE, HEAD_SIZE, NUM_LAYERS, ResponseRecorder, make_kv_connector, mla_metadata
 
 pytestmark = pytest.mark.lmcache
 
@@ -35,7 +35,6 @@ _ids = itertools.count()
 def engine_kv():
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.metadata import LMCacheMetadata
 
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK_SIZE,
@@ -44,18 +43,7 @@ def engine_kv():
         save_unfull_chunk=False,
         enable_async_loading=True,
     )
-    metadata = LMCacheMetadata(
-        model_name="async-event-test",
-        world_size=1,
-        local_world_size=1,
-        worker_id=0,
-        local_worker_id=0,
-        kv_dtype=torch.bfloat16,
-        kv_shape=(NUM_LAYERS, 1, CHUNK_SIZE, 1, HEAD_SIZE),
-        use_mla=True,
-        role="worker",
-        chunk_size=CHUNK_SIZE,
-    )
+    metadata = mla_metadata("async-event-test", 1, 0)
     kv = make_kv_connector(4096)
     instance_id = f"async-event-{next(_ids)}"
     engine = LMCacheEngineBuilder.get_or_create(

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from tests.support.pcp_ranks import CHUNK_SIZE, HEAD_SIZE, NUM_LAYERS
+from tests.support.pcp_ranks import CHUNK_SIZE, mla_metadata
 
 pytestmark = pytest.mark.lmcache
 
@@ -18,10 +18,9 @@ STORE = "0008-pcp-shard-store-and-lookup.patch"
 _ids = itertools.count()
 
 
-def build(world_size=4, pcp=4, use_mla=True, collectives=True, **config_overrides):
+def build(world_size=4, pcp=4, use_mla=True, collectives=True, collectives_rank=1, **config_overrides):
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.pcp_collectives import PCPCollectives
 
     extra = {"pcp_shard_store": True}
@@ -29,23 +28,10 @@ def build(world_size=4, pcp=4, use_mla=True, collectives=True, **config_override
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK_SIZE, local_cpu=True, max_local_cpu_size=0.01, extra_config=extra, **config_overrides
     )
-    metadata = LMCacheMetadata(
-        model_name="guards",
-        world_size=world_size,
-        local_world_size=world_size,
-        worker_id=1,
-        local_worker_id=1,
-        kv_dtype=torch.bfloat16,
-        kv_shape=(NUM_LAYERS, 1, CHUNK_SIZE, 1, HEAD_SIZE),
-        use_mla=use_mla,
-        role="worker",
-        chunk_size=CHUNK_SIZE,
-        pcp_world_size=pcp,
-        pcp_rank=1,
-    )
+    metadata = mla_metadata("guards", world_size, 1, pcp_world_size=pcp, use_mla=use_mla)
     pcp_collectives = None
     if collectives:
-        pcp_collectives = PCPCollectives(1, pcp, None, None, None, torch.device("cpu"))
+        pcp_collectives = PCPCollectives(collectives_rank, pcp, None, None, None, torch.device("cpu"))
     instance_id = f"guards-{next(_ids)}"
     try:
         return LMCacheEngineBuilder.get_or_create(
@@ -79,16 +65,11 @@ def test_settings_that_need_other_services_are_rejected_by_the_validator(setting
     """Blending, P2P and PD need a tokenizer download or peers to build an
     engine at all; the engine calls this validator first thing."""
     from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.pcp_shard import validate_pcp_shard_store
 
     config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK_SIZE, extra_config={"pcp_shard_store": True})
     setattr(config, setting, True)
-    metadata = LMCacheMetadata(
-        model_name="guards", world_size=4, local_world_size=4, worker_id=1, local_worker_id=1,
-        kv_dtype=torch.bfloat16, kv_shape=(NUM_LAYERS, 1, CHUNK_SIZE, 1, HEAD_SIZE), use_mla=True,
-        pcp_world_size=4, pcp_rank=1,
-    )
+    metadata = mla_metadata("guards", 4, 1, pcp_world_size=4)
     with pytest.raises(ValueError, match=setting):
         validate_pcp_shard_store(config, metadata)
 
@@ -97,6 +78,12 @@ def test_settings_that_need_other_services_are_rejected_by_the_validator(setting
 def test_worker_without_pcp_collectives_fails_at_init():
     with pytest.raises(ValueError, match="collectives"):
         build(collectives=False)
+
+
+@pytest.mark.fixes(STORE)
+def test_collectives_of_another_rank_fail_at_init_naming_both():
+    with pytest.raises(ValueError, match="collectives say rank 2 of 4, metadata says rank 1 of 4"):
+        build(collectives_rank=2)
 
 
 @pytest.mark.fixes(STORE)

@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from tests.support.pcp_ranks import CHUNK_SIZE, HEAD_SIZE, NUM_LAYERS, ResponseRecorder, make_kv_connector
+from tests.support.pcp_ranks import CHUNK_SIZE, ResponseRecorder, make_kv_connector, mla_metadata
 
 pytestmark = pytest.mark.lmcache
 
@@ -34,7 +34,6 @@ def _no_collectives(*args, **kwargs):
 def make_rank(world_size: int, rank: int):
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.pcp_collectives import PCPCollectives
 
     config = LMCacheEngineConfig.from_defaults(
@@ -45,20 +44,7 @@ def make_rank(world_size: int, rank: int):
         enable_async_loading=True,
         extra_config={"pcp_shard_store": True},
     )
-    metadata = LMCacheMetadata(
-        model_name="pcp-property",
-        world_size=world_size,
-        local_world_size=world_size,
-        worker_id=rank,
-        local_worker_id=rank,
-        kv_dtype=torch.bfloat16,
-        kv_shape=(NUM_LAYERS, 1, CHUNK_SIZE, 1, HEAD_SIZE),
-        use_mla=True,
-        role="worker",
-        chunk_size=CHUNK_SIZE,
-        pcp_world_size=world_size,
-        pcp_rank=rank,
-    )
+    metadata = mla_metadata("pcp-property", world_size, rank, pcp_world_size=world_size)
     collectives = PCPCollectives(
         rank=rank,
         world_size=world_size,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tests.support.pcp_ranks import CHUNK_SIZE, HEAD_SIZE, NUM_LAYERS, make_kv_connector
+from tests.support.pcp_ranks import CHUNK_SIZE, make_kv_connector, mla_metadata
 
 
 def rank_zero_store_then_load(rank: int, world_size: int, workdir: str, num_chunks: int) -> dict:
@@ -36,7 +36,6 @@ def rank_zero_store_then_load(rank: int, world_size: int, workdir: str, num_chun
     import lmcache.v1.gpu_connector as gpu_connector
     from lmcache.integration.vllm.vllm_service_factory import VllmServiceFactory
     from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.metadata import LMCacheMetadata
 
     kv = make_kv_connector(num_chunks * CHUNK_SIZE)
     gpu_connector.CreateGPUConnector = lambda *args, **kwargs: kv
@@ -54,18 +53,7 @@ def rank_zero_store_then_load(rank: int, world_size: int, workdir: str, num_chun
     )
     factory = VllmServiceFactory(config, SimpleNamespace(parallel_config=parallel_config), "worker")
     # The metadata vLLM's model config would give: MLA, rank = PCP rank.
-    factory.metadata = LMCacheMetadata(
-        model_name="vllm-pcp-test",
-        world_size=world_size,
-        local_world_size=world_size,
-        worker_id=rank,
-        local_worker_id=rank,
-        kv_dtype=torch.bfloat16,
-        kv_shape=(NUM_LAYERS, 1, CHUNK_SIZE, 1, HEAD_SIZE),
-        use_mla=True,
-        role="worker",
-        chunk_size=CHUNK_SIZE,
-    )
+    factory.metadata = mla_metadata("vllm-pcp-test", world_size, rank)
     engine = factory.get_or_create_lmcache_engine()
     engine.post_init()
 

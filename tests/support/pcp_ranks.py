@@ -114,6 +114,43 @@ def make_kv_connector(max_tokens: int, num_layers: int = NUM_LAYERS, head_size: 
     return CpuPagedKV()
 
 
+def mla_metadata(
+    model_name: str,
+    world_size: int,
+    rank: int,
+    *,
+    pcp_world_size: int | None = None,
+    pcp_rank: int | None = None,
+    use_mla: bool = True,
+    num_layers: int = NUM_LAYERS,
+    head_size: int = HEAD_SIZE,
+    chunk_size: int = CHUNK_SIZE,
+):
+    """LMCacheMetadata of worker ``rank`` of ``world_size`` with an MLA-shaped
+    KV cache. The PCP fields are set only when ``pcp_world_size`` is given:
+    pristine LMCache has none (the proofs of 0006 and 0007 run there)."""
+    import torch
+
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    pcp = {}
+    if pcp_world_size is not None:
+        pcp = {"pcp_world_size": pcp_world_size, "pcp_rank": rank if pcp_rank is None else pcp_rank}
+    return LMCacheMetadata(
+        model_name=model_name,
+        world_size=world_size,
+        local_world_size=world_size,
+        worker_id=rank,
+        local_worker_id=rank,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(num_layers, 1, chunk_size, 1, head_size),
+        use_mla=use_mla,
+        role="worker",
+        chunk_size=chunk_size,
+        **pcp,
+    )
+
+
 def build_engine(
     rank: int,
     world_size: int,
@@ -135,8 +172,6 @@ def build_engine(
 
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.metadata import LMCacheMetadata
-
     extra_config: dict = {"pcp_shard_store": shard, "save_chunk_meta": False}
     if first_rank_l1_gb is not None:
         extra_config["first_rank_max_local_cpu_size"] = first_rank_l1_gb
@@ -154,19 +189,14 @@ def build_engine(
         blocking_timeout_secs=5,
         extra_config=extra_config,
     )
-    metadata = LMCacheMetadata(
-        model_name=MODEL,
-        world_size=world_size,
-        local_world_size=world_size,
-        worker_id=rank,
-        local_worker_id=rank,
-        kv_dtype=torch.bfloat16,
-        kv_shape=(num_layers, 1, chunk_size, 1, head_size),
-        use_mla=True,
-        role="worker",
-        chunk_size=chunk_size,
+    metadata = mla_metadata(
+        MODEL,
+        world_size,
+        rank,
         pcp_world_size=world_size,
-        pcp_rank=rank,
+        num_layers=num_layers,
+        head_size=head_size,
+        chunk_size=chunk_size,
     )
     kv = make_kv_connector(max_tokens, num_layers, head_size, chunk_size)
     engine = LMCacheEngineBuilder.get_or_create(
