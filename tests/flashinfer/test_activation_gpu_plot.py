@@ -1,0 +1,63 @@
+"""gpu/plot.py: the harness result as a PNG, and a clear error for what is not a result.
+
+The recorded run in gpu/results/ (an H200, sm_90a) is the input: the plot must be written
+from the very JSON run.py wrote there, and its numbers must be the ones the log beside it
+printed (so the record is one run, not an edited file). matplotlib comes with the test
+environment (scripts/requirements.txt), so these never skip.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GPU = Path(__file__).resolve().parent / "gpu"
+PLOT = GPU / "plot.py"
+RESULT = GPU / "results" / "h200-sm90a.json"
+LOG = GPU / "results" / "h200-sm90a.log"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+def _plot(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PLOT), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_plot_writes_a_png_from_the_recorded_run(tmp_path):
+    out = tmp_path / "sub" / "activation.png"
+    proc = _plot(str(RESULT), str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert out.stat().st_size > 10_000
+    assert not list(out.parent.glob("*.tmp"))
+
+
+def test_recorded_json_matches_its_log():
+    data = json.loads(RESULT.read_text())
+    log = LOG.read_text()
+    run2 = log.split("# run 2", 1)[1].split("# Nsight Compute", 1)[0]
+    rows = re.findall(r"^\s*(\d+)\s+(random|skewed)\s+\d+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", run2, re.M)
+    assert len(rows) == len(data["timings"]) == 6
+    for (tokens, routing, pristine, patched, ratio), t in zip(rows, data["timings"]):
+        assert (int(tokens), routing) == (t["tokens"], t["routing"])
+        assert float(pristine) == pytest.approx(t["pristine_us"], abs=0.05)
+        assert float(patched) == pytest.approx(t["patched_us"], abs=0.05)
+        assert float(ratio) == pytest.approx(t["ratio"], abs=0.005)
+    assert data["failures"] == []
+
+
+@pytest.mark.parametrize("content, expect", [
+    ("{not json", "not a readable harness result"),
+    ('{"gpu": "x"}', "no 'timings'"),
+    ('{"timings": [{"tokens": 1}]}', "timings[0] lacks routing"),
+])
+def test_plot_rejects_what_is_not_a_result(tmp_path, content, expect):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    out = tmp_path / "out.png"
+    proc = _plot(str(bad), str(out))
+    assert proc.returncode == 2
+    assert str(bad) in proc.stderr and expect in proc.stderr
+    assert not out.exists()
