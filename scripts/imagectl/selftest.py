@@ -264,8 +264,20 @@ def runtime_checks(home: Path, config_root: Path) -> list[Check]:
                         ext[0].name if ext else "lmcache/c_ops*.so missing (built without BUILD_WITH_CUDA?)"))
     checks.append(check_aot(json.loads((home / "flashinfer-aot.json").read_text()), site))
     checks.append(check_ldd(nixl_plugins(site)))
+    checks.append(check_requirements())
     checks.extend(check_files(home, config_root))
     return checks
+
+
+def check_requirements(python: str = sys.executable) -> Check:
+    """pip's own check that every installed distribution's requirements are met here,
+    markers evaluated on this interpreter (a derived image that adds packages keeps it)."""
+    proc = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    if proc.returncode == 0:
+        return Check("requirements", "PASS", lines[0] if lines else "pip check: no broken requirements")
+    shown = "; ".join(lines[:3]) + (f" (+{len(lines) - 3} more)" if len(lines) > 3 else "")
+    return Check("requirements", "FAIL", f"pip check: {shown or f'exit {proc.returncode}'}")
 
 
 def sources_checks(work: Path) -> list[Check]:

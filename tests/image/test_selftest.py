@@ -170,3 +170,35 @@ def test_report_and_exit_codes() -> None:
     assert selftest.exit_code(checks, strict=False) == 0
     assert selftest.exit_code(checks, strict=True) == 1
     assert selftest.exit_code(checks + [selftest.Check("c", "FAIL", "")], strict=False) == 1
+
+
+def _tiny_wheel(dest: Path, name: str, requires: list[str]) -> Path:
+    import zipfile
+
+    path = dest / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    meta = "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(f"{name}/__init__.py", "")
+        wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n{meta}")
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_requirements_check_is_pips_and_names_what_is_missing(tmp_path: Path) -> None:
+    """A real venv with pip: a distribution whose requirement (under a marker true on this
+    interpreter, as redis's async-timeout is on the image's 3.11.2) is absent fails the check
+    with its name; installing the requirement makes it pass."""
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--disable-pip-version-check"]
+    subprocess.run([*pip, str(_tiny_wheel(tmp_path, "needsdep", ['tinydep>=1; python_version >= "3"']))], check=True)
+    check = selftest.check_requirements(python)
+    assert check.status == "FAIL"
+    assert "needsdep" in check.detail and "tinydep" in check.detail
+    subprocess.run([*pip, str(_tiny_wheel(tmp_path, "tinydep", []))], check=True)
+    assert selftest.check_requirements(python).status == "PASS"
