@@ -222,9 +222,9 @@ COPY --from=flashinfer-wheel /out/flashinfer-aot.json /opt/glm53/flashinfer-aot.
 COPY --from=sources /work/trees/ /opt/glm53/trees/
 # vLLM's NIXL P/D proxy is not in the wheel: the pinned sdist's copy.
 COPY --from=sources /work/src/vllm/tests/v1/kv_connector/nixl_integration/toy_proxy_server.py /opt/glm53/pd-proxy/toy_proxy_server.py
-COPY configs/prefill/ /etc/glm53/prefill/
-COPY configs/decode/ /etc/glm53/decode/
-COPY configs/aggregated/ /etc/glm53/aggregated/
+# The role presets, their validator (run by the self-test with this image's
+# vLLM and LMCache) and the Kubernetes deployment with its renderer.
+COPY configs/ /etc/glm53/
 COPY scripts/ /opt/glm53/scripts/
 # manifest.json (inputs, patches, tree hashes + the wheels and AOT status of
 # this image) and the CycloneDX SBOM of every installed Python package.

@@ -30,10 +30,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import markers
 from .errors import DistBuildError
 from .pins import Pin, normalize_name
 
 PYTHON_VERSION = "3.11"
+IMAGE_PYTHON = "3.11.2"   # the base image's python3 (Debian bookworm); the Dockerfile's PYTHON_VERSION is 3.11
+MAX_MARKER_ROUNDS = 4
 PLATFORM = "manylinux_2_28_x86_64"
 
 IMAGE_EXTRA = ("lmcache", "flashinfer-python")   # resolved for their deps, installed from our builds
@@ -79,25 +82,43 @@ def check_host() -> None:
                              f"on one; this is Python {have} on {sys.platform}/{platform.machine()}")
 
 
+def _pip_report(cmd_base: list[str], specs: list[str], env: dict[str, str], tmp: Path) -> dict:
+    report = tmp / "report.json"
+    report.unlink(missing_ok=True)
+    result = subprocess.run([*cmd_base, "--report", str(report), *specs], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise DistBuildError(f"pip could not resolve {' '.join(specs)}:\n{result.stderr[-3000:]}")
+    return json.loads(report.read_text())
+
+
 def resolve(specs: list[str], index_url: str, python: str = sys.executable,
-            constraints: list[Locked] | None = None) -> list[Locked]:
-    """pip's own resolution of ``specs`` for the image's platform, with each file's sha256."""
+            constraints: list[Locked] | None = None, image_python: str = IMAGE_PYTHON) -> list[Locked]:
+    """pip's own resolution of ``specs`` for the image's platform, with each file's sha256,
+    completed with what the markers of ``image_python`` add."""
     check_host()
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
         extra = []
         if constraints:
-            (Path(tmp) / "constraints.txt").write_text("".join(f"{c.name}=={c.version}\n" for c in constraints))
-            extra = ["-c", str(Path(tmp) / "constraints.txt")]
+            (tmp / "constraints.txt").write_text("".join(f"{c.name}=={c.version}\n" for c in constraints))
+            extra = ["-c", str(tmp / "constraints.txt")]
         cmd = [python, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--quiet",
-               "--index-url", index_url, "--only-binary=:all:", "--report", str(report), *extra, *specs]
+               "--index-url", index_url, "--only-binary=:all:", *extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
         env["PIP_CONFIG_FILE"] = os.devnull
         print(f"lock     resolving {len(specs)} requirement(s) with pip against {index_url} (a few minutes)", flush=True)
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if result.returncode != 0:
-            raise DistBuildError(f"pip could not resolve {' '.join(specs)}:\n{result.stderr[-3000:]}")
-        data = json.loads(report.read_text())
+        added: list[markers.MissedRequirement] = []
+        for _ in range(MAX_MARKER_ROUNDS):
+            data = _pip_report(cmd, [*specs, *(m.requirement for m in added)], env, tmp)
+            missed = markers.missed_requirements(data["install"], image_python)
+            if not missed:
+                break
+            for m in missed:
+                print(f"lock     Python {image_python} also needs {m.describe()}", flush=True)
+            added += missed
+        else:
+            raise DistBuildError(f"the closure for Python {image_python} did not settle in {MAX_MARKER_ROUNDS} rounds; "
+                                 f"still missing: {', '.join(m.describe() for m in missed)}")
     locked = []
     for item in data["install"]:
         info = item["download_info"]
@@ -127,7 +148,7 @@ def render(locked: list[Locked], title: str, leave_out: tuple[str, ...] = ()) ->
     drop = {normalize_name(n) for n in leave_out}
     lines = [f"# {title}",
              "# Written by `python -m distbuild lock` (make lock): never edit by hand.",
-             f"# Python {PYTHON_VERSION}, {PLATFORM}; install with pip --require-hashes --no-deps.",
+             f"# Python {IMAGE_PYTHON}, {PLATFORM}; install with pip --require-hashes --no-deps.",
              *(f"# left out (installed from our patched builds): {n}" for n in sorted(drop)), ""]
     lines += [x.line() for x in locked if x.name not in drop]
     return "\n".join(lines) + "\n"

@@ -31,6 +31,7 @@ import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .presets import ROLES
 from .treemap import blob_id
 
 HOME = Path(os.environ.get("GLM53_HOME", "/opt/glm53"))
@@ -266,7 +267,54 @@ def runtime_checks(home: Path, config_root: Path) -> list[Check]:
     checks.append(check_ldd(nixl_plugins(site)))
     checks.append(check_requirements())
     checks.extend(check_files(home, config_root))
+    checks.append(check_presets(config_root))
+    checks.append(check_deploy(config_root))
     return checks
+
+
+def preset_files(config_root: Path) -> list[Path]:
+    files = []
+    for role in ROLES:
+        files += [config_root / role / name for name in ("vllm.yaml", "lmcache.yaml", "env")
+                  if (config_root / role / name).is_file()]
+    return files
+
+
+def check_presets(config_root: Path, python: str = sys.executable, timeout: int = 600) -> Check:
+    """The role presets through configs/validate.py with this image's own vLLM and LMCache:
+    vLLM's serve parser and engine args, LMCache's loader and validate (no GPU needed)."""
+    validator = config_root / "validate.py"
+    files = preset_files(config_root)
+    if not validator.is_file() or not files:
+        return Check("presets validate", "FAIL", f"missing {validator if not validator.is_file() else 'preset files'}")
+    try:
+        proc = subprocess.run([python, str(validator), *map(str, files)], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "PYTHONHASHSEED": "0"})
+    except subprocess.TimeoutExpired:
+        return Check("presets validate", "FAIL", f"{validator} did not finish in {timeout} s")
+    if proc.returncode == 0:
+        return Check("presets validate", "PASS", f"{len(files)} files ({', '.join(ROLES)}) accepted by vLLM's "
+                     "parser and engine args and LMCache's loader, in this image")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")] or proc.stderr.splitlines()[-3:]
+    return Check("presets validate", "FAIL", "; ".join(errors[:3]))
+
+
+def check_deploy(config_root: Path, python: str = sys.executable) -> Check:
+    """The Kubernetes deployment renders from the shipped templates and parameters."""
+    import tempfile
+
+    render = config_root / "deploy" / "render.py"
+    if not render.is_file():
+        return Check("deploy render", "FAIL", f"missing {render}")
+    with tempfile.TemporaryDirectory() as out:
+        # The image cannot know its own tag; the check is that the shipped templates render.
+        proc = subprocess.run([python, str(render), "--configs", str(config_root), "--out", out,
+                               "--set", "image=glm53-b300-serving:self-test"],
+                              capture_output=True, text=True, timeout=300)
+        written = sorted(p.name for p in Path(out).iterdir())
+    if proc.returncode != 0 or not written:
+        return Check("deploy render", "FAIL", (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1])
+    return Check("deploy render", "PASS", f"{len(written)} manifests from {config_root / 'deploy'}")
 
 
 def check_requirements(python: str = sys.executable) -> Check:

@@ -11,6 +11,8 @@ import pytest
 
 from imagectl import selftest, treemap
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def git(repo: Path, *args: str) -> str:
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
@@ -202,3 +204,30 @@ def test_requirements_check_is_pips_and_names_what_is_missing(tmp_path: Path) ->
     assert "needsdep" in check.detail and "tinydep" in check.detail
     subprocess.run([*pip, str(_tiny_wheel(tmp_path, "tinydep", []))], check=True)
     assert selftest.check_requirements(python).status == "PASS"
+
+
+def test_presets_check_runs_the_validator_and_names_a_bad_key(tmp_path: Path) -> None:
+    """The self-test's preset check on a copy of configs/ with one misspelt LMCache key: it runs
+    configs/validate.py (vLLM's parser, LMCache's loader) and the failure names file and key."""
+    import sys
+
+    root = tmp_path / "etc-glm53"
+    shutil.copytree(REPO / "configs", root)
+    lm = root / "prefill" / "lmcache.yaml"
+    lm.write_text(lm.read_text().replace("chunk_size:", "chunk_sise:", 1))
+    check = selftest.check_presets(root, python=sys.executable)
+    assert check.status == "FAIL"
+    assert str(lm) in check.detail and "chunk_sise" in check.detail
+    assert len(selftest.preset_files(root)) == 7
+
+
+def test_deploy_check_renders_the_shipped_templates(tmp_path: Path) -> None:
+    import sys
+
+    assert selftest.check_deploy(REPO / "configs", python=sys.executable).status == "PASS"
+    root = tmp_path / "etc-glm53"
+    shutil.copytree(REPO / "configs", root)
+    params = root / "deploy" / "params.yaml"
+    params.write_text(params.read_text().replace("replicas: 4", "replicas: -4", 1))
+    check = selftest.check_deploy(root, python=sys.executable)
+    assert check.status == "FAIL" and "prefill.replicas" in check.detail
