@@ -43,6 +43,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "fixes(patch): proves the named patch; strict xfail on the pristine tree",
     )
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped on CPU machines")
+    config.addinivalue_line("markers", "runtime_image: needs the serving image make image builds; skipped without it")
     config.addinivalue_line("markers", "lmcache: needs an LMCache build in the running interpreter")
 
 

