@@ -193,8 +193,9 @@ ARG NIXL_VERSION
 ARG TORCH_CUDA_ARCH_LIST
 ARG BASE_IMAGE
 # gcc + libc headers: Triton compiles its launcher stub at first use.
-# libfabric1: NIXL's LIBFABRIC plugin links libfabric.so.1, which the nixl wheel
-# does not carry (Debian's build; EFA nodes may mount AWS's, see README).
+# libfabric1 (1.17) and the rdma-core libraries it brings (libibverbs1,
+# librdmacm1) for NIXL's UCX RDMA transports. NIXL's LIBFABRIC (EFA) plugin needs
+# libfabric's FABRIC_1.10 ABI, newer than bookworm's: EFA nodes mount AWS's (README).
 # hadolint ignore=DL3008
 RUN apt-get update -qq \
     && apt-get install -y -qq --no-install-recommends gcc libc6-dev libfabric1 libnuma1 ca-certificates tini \

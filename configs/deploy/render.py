@@ -154,6 +154,9 @@ def validate_params(p: dict) -> None:
         _positive_int(p[role]["cpu"], f"{role}.cpu")
     _need(isinstance(p["gpu_resource"], str) and "/" in p["gpu_resource"],
           f"gpu_resource: expected an extended resource name like nvidia.com/gpu, got {p['gpu_resource']!r}")
+    lib = p["nixl_host_libfabric"]
+    _need(lib is None or (isinstance(lib, str) and lib.startswith("/")),
+          f"nixl_host_libfabric: expected an absolute path on the node or null, got {lib!r}")
     rdma = p["rdma_resources"]
     _need(isinstance(rdma, dict) and all(isinstance(k, str) and "/" in k and isinstance(v, int)
                                          and not isinstance(v, bool) and v >= 1 for k, v in rdma.items()),
@@ -362,16 +365,25 @@ def _engine(role: str, params: dict, cfg: dict, env: list[tuple[str, str]], conf
                      "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     limits = {params["gpu_resource"]: gpus, **params["rdma_resources"], "memory": f"{memory_gib}Gi"}
     requests = {"cpu": params[role]["cpu"], "memory": f"{memory_gib}Gi"}
-    volume = {"name": "model", **copy.deepcopy(params["model_volume"])}
+    mounts = [{"name": "config", "mountPath": config_dir, "readOnly": True},
+              {"name": "model", "mountPath": params["model_mount"], "readOnly": True},
+              {"name": "dshm", "mountPath": "/dev/shm"}]
+    volumes = [{"name": "config", "configMap": {"name": configmap["metadata"]["name"]}},
+               {"name": "model", **copy.deepcopy(params["model_volume"])},
+               {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": params["shm_size"]}}]
+    libfabric = params["nixl_host_libfabric"]
+    if libfabric is not None:
+        mounts.append({"name": "nixl-libfabric", "mountPath": libfabric, "readOnly": True})
+        volumes.append({"name": "nixl-libfabric", "hostPath": {"path": libfabric, "type": "Directory"}})
+        env_list.append({"name": "LD_LIBRARY_PATH", "value": libfabric})
     values = {
         "name": name, "namespace": params["namespace"], "labels": _labels(role),
         "selector": {"app.kubernetes.io/name": CELL, "app.kubernetes.io/component": role},
         "replicas": params[role]["replicas"], "node_selector": params[role]["node_selector"],
         "tolerations": params[role]["tolerations"], "image": params["image"],
         "command": ["vllm", "serve", params["model_path"], "--config", f"{config_dir}/vllm.yaml"],
-        "env": env_list, "requests": requests, "limits": limits, "config_dir": config_dir,
-        "model_mount": params["model_mount"], "configmap": configmap["metadata"]["name"],
-        "model_volume": volume, "shm_size": params["shm_size"],
+        "env": env_list, "requests": requests, "limits": limits,
+        "volume_mounts": mounts, "volumes": volumes,
         "config_sha256": _sha(configmap["data"], env),
     }
     return render_template("engine.yaml", values)
@@ -381,6 +393,29 @@ def _configmap(role: str, params: dict, data: dict, config_dir: str) -> dict:
     values = {"name": f"{CELL}-{role}-config", "namespace": params["namespace"],
               "labels": _labels(role), "data": data, "config_dir": config_dir}
     return render_template("configmap.yaml", values)[0]
+
+
+def nixl_backends(cfg: dict) -> list[str]:
+    """The NIXL backends of a vllm.yaml: NixlConnector alone or as a MultiConnector child
+    (vLLM's default is UCX)."""
+    ktc = cfg.get("kv-transfer-config") or cfg.get("kv_transfer_config") or {}
+    nodes = [ktc] + list((ktc.get("kv_connector_extra_config") or {}).get("connectors") or [])
+    for node in nodes:
+        if node.get("kv_connector") == "NixlConnector":
+            return list((node.get("kv_connector_extra_config") or {}).get("backends") or ["UCX"])
+    return []
+
+
+def check_nixl_backends(params: dict, prefill_cfg: dict, decode_cfg: dict, prefill_path: Path,
+                        decode_path: Path) -> None:
+    """Prefill and decode must name the same NIXL backends (both ends of a transfer load the
+    same plugin), and LIBFABRIC needs the node's libfabric (nixl_host_libfabric)."""
+    prefill, decode = nixl_backends(prefill_cfg), nixl_backends(decode_cfg)
+    if prefill != decode:
+        raise RenderError(f"NIXL backends differ: {prefill_path} uses {prefill}, {decode_path} uses {decode}")
+    if "LIBFABRIC" in prefill and params["nixl_host_libfabric"] is None:
+        raise RenderError(f"{prefill_path}: NIXL backend LIBFABRIC needs the node's libfabric 2.x: set "
+                          "nixl_host_libfabric (the AWS EFA installer's /opt/amazon/efa/lib) or use UCX")
 
 
 def _env_without_per_pod(path: Path) -> list[tuple[str, str]]:
@@ -408,6 +443,7 @@ def render(params: dict, configs: Path = CONFIGS) -> list[dict]:
     prefill_mount = posixpath.dirname(config_file)
     decode_mount = posixpath.join(posixpath.dirname(prefill_mount), "decode")
 
+    check_nixl_backends(params, prefill_cfg, decode_cfg, prefill_dir / "vllm.yaml", decode_dir / "vllm.yaml")
     shards = shard_count(params, prefill_cfg)
     lmcache_text, lmcache_cfg = prefill_lmcache_text(prefill_dir / "lmcache.yaml", ns)
     ranks = engine_ranks(prefill_cfg)

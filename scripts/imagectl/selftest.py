@@ -160,7 +160,11 @@ def check_aot(aot: dict, site: Path, resolve=flashinfer_aot_path) -> Check:
 # and LIBFABRIC (EFA; links the system libfabric.so.1). The wheel's other
 # plugins (GDS, GPUNETIO/DOCA, object stores, ...) load only when asked for and
 # may lack their vendor libraries: reported, not failed.
-NIXL_REQUIRED = ("UCX", "LIBFABRIC")
+NIXL_REQUIRED = ("UCX",)
+# NIXL over EFA. nixl-cu13 1.5.1's plugin needs libfabric's FABRIC_1.10 ABI (libfabric 2.x);
+# Debian bookworm's libfabric1 1.17 exports up to FABRIC_1.6, so in the image it resolves only
+# once the node's EFA libfabric is mounted and put first on LD_LIBRARY_PATH (README).
+NIXL_HOST_LIBFABRIC = "LIBFABRIC"
 
 
 def nixl_plugins(site: Path) -> list[Path]:
@@ -176,29 +180,42 @@ def _unresolved(path: Path) -> list[str]:
     return [line.split("=>")[0].strip() for line in out.splitlines() if "not found" in line]
 
 
-def check_ldd(plugins: list[Path], required: tuple[str, ...] = NIXL_REQUIRED) -> Check:
+def check_ldd(plugins: list[Path], required: tuple[str, ...] = NIXL_REQUIRED,
+              host_libfabric: str = NIXL_HOST_LIBFABRIC) -> Check:
     if not plugins:
         return Check("nixl plugins ldd", "FAIL", "no NIXL plugin (libplugin_*.so) found")
+    names = sorted({_plugin_name(p) for p in plugins})
+    absent = [r for r in (*required, host_libfabric) if r not in names]
+    if absent:
+        return Check("nixl plugins ldd", "FAIL", f"required plugin(s) {', '.join(absent)} not in the wheel")
     missing_required: dict[str, list[str]] = {}
     missing_optional: dict[str, list[str]] = {}
+    fabric_missing: list[str] = []
     for plugin in plugins:
         name = _plugin_name(plugin)
         libs = _unresolved(plugin)
-        if libs:
+        if not libs:
+            continue
+        if name == host_libfabric:
+            fabric_missing = libs
+        else:
             (missing_required if name in required else missing_optional).setdefault(name, libs)
-    names = sorted({_plugin_name(p) for p in plugins})
-    absent = [r for r in required if r not in names]
-    if absent:
-        return Check("nixl plugins ldd", "FAIL", f"required plugin(s) {', '.join(absent)} not in the wheel")
     if missing_required:
         text = "; ".join(f"{k}: {', '.join(v)}" for k, v in missing_required.items())
         return Check("nixl plugins ldd", "FAIL", f"unresolved: {text}")
-    fabric = next(p for p in plugins if _plugin_name(p) == "LIBFABRIC")
+    fabric = next(p for p in plugins if _plugin_name(p) == host_libfabric)
     out = subprocess.run(["ldd", str(fabric)], capture_output=True, text=True).stdout
     hit = re.search(r"libfabric\.so\.1 => (\S+)", out)
     optional = (f"; optional plugins without their libraries: "
                 + ", ".join(f"{k} ({', '.join(v[:2])})" for k, v in sorted(missing_optional.items()))) if missing_optional else ""
-    return Check("nixl plugins ldd", "PASS", f"{', '.join(required)} resolve every library; libfabric.so.1 => "
+    ok = f"{', '.join(required)} resolve every library"
+    if fabric_missing:
+        version = re.search(r"version `([^']+)' not found", " ".join(fabric_missing))
+        need = f"needs {version.group(1)}, which {hit.group(1) if hit else 'libfabric.so.1'} lacks" if version \
+            else f"unresolved {', '.join(fabric_missing)}"
+        return Check("nixl plugins ldd", "WARN", f"{ok}; {host_libfabric} (NIXL over EFA) {need}: on EFA nodes mount "
+                     f"the host's libfabric (AWS EFA installer) first on LD_LIBRARY_PATH{optional}")
+    return Check("nixl plugins ldd", "PASS", f"{ok}; {host_libfabric}: libfabric.so.1 => "
                  f"{hit.group(1) if hit else '?'}{optional}")
 
 
@@ -260,9 +277,11 @@ def runtime_checks(home: Path, config_root: Path) -> list[Check]:
     checks.append(compare_tree("lmcache", trees["lmcache"], site, "lmcache", generated=GENERATED["lmcache"]))
     checks.append(compare_tree("flashinfer", trees["flashinfer"], site, "flashinfer", ("flashinfer/data",),
                                generated=GENERATED["flashinfer"]))
-    ext = sorted((site / "lmcache").glob("c_ops*.so"))
+    # LMCache 0.5.5's CUDA extension (lmcache/v1/platform/cuda/device_ops.py imports lmcache.cuda_ops).
+    ext = sorted((site / "lmcache").glob("cuda_ops*.so"))
     checks.append(Check("lmcache cuda ext", "PASS" if ext else "FAIL",
-                        ext[0].name if ext else "lmcache/c_ops*.so missing (built without BUILD_WITH_CUDA?)"))
+                        f"{ext[0].name}, {ext[0].stat().st_size / 1e6:.1f} MB" if ext
+                        else "lmcache/cuda_ops*.so missing (built without BUILD_WITH_CUDA?)"))
     checks.append(check_aot(json.loads((home / "flashinfer-aot.json").read_text()), site))
     checks.append(check_ldd(nixl_plugins(site)))
     checks.append(check_requirements())

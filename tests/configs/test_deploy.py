@@ -339,3 +339,57 @@ def test_cli_error_is_one_clear_line(tmp_path):
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.startswith("render: error: valkey.shards=6 does not match")
+
+
+# --- NIXL backend and the node's libfabric ----------------------------------------------------
+
+
+def _configs_with_backends(tmp_path, prefill: str, decode: str):
+    copy = tmp_path / "configs"
+    shutil.copytree(CONFIGS, copy, ignore=shutil.ignore_patterns("deploy", "__pycache__"))
+    for role, backend in (("prefill", prefill), ("decode", decode)):
+        path = copy / role / "vllm.yaml"
+        text = path.read_text()
+        assert text.count("backends: [LIBFABRIC]") == 1
+        path.write_text(text.replace("backends: [LIBFABRIC]", f"backends: [{backend}]"))
+    return copy
+
+
+def test_gpu_pods_mount_the_nodes_libfabric_for_nixl_over_efa(docs):
+    for role in ("prefill", "decode"):
+        sts = by(docs, "StatefulSet", f"{render.CELL}-{role}")
+        spec = sts["spec"]["template"]["spec"]
+        lib = render.load_params(None, [f"image={IMAGE}"])["nixl_host_libfabric"]
+        assert {"name": "nixl-libfabric", "hostPath": {"path": lib, "type": "Directory"}} in spec["volumes"]
+        assert {"name": "nixl-libfabric", "mountPath": lib, "readOnly": True} in container(sts)["volumeMounts"]
+        assert {"name": "LD_LIBRARY_PATH", "value": lib} in container(sts)["env"]
+        assert render.nixl_backends(yaml.safe_load((CONFIGS / role / "vllm.yaml").read_text())) == ["LIBFABRIC"]
+
+
+def test_libfabric_backend_without_the_nodes_libfabric_is_refused():
+    with pytest.raises(render.RenderError) as err:
+        render.render(params(nixl_host_libfabric="null"))
+    assert "prefill/vllm.yaml: NIXL backend LIBFABRIC needs the node's libfabric" in str(err.value)
+    assert "nixl_host_libfabric" in str(err.value)
+
+
+def test_ucx_clusters_render_without_the_mount(tmp_path):
+    configs = _configs_with_backends(tmp_path, "UCX", "UCX")
+    rendered = render.render(params(nixl_host_libfabric="null"), configs=configs)
+    for role in ("prefill", "decode"):
+        sts = by(rendered, "StatefulSet", f"{render.CELL}-{role}")
+        assert all(v["name"] != "nixl-libfabric" for v in sts["spec"]["template"]["spec"]["volumes"])
+        assert all(e["name"] != "LD_LIBRARY_PATH" for e in container(sts)["env"])
+
+
+def test_prefill_and_decode_must_use_the_same_nixl_backend(tmp_path):
+    configs = _configs_with_backends(tmp_path, "LIBFABRIC", "UCX")
+    with pytest.raises(render.RenderError) as err:
+        render.render(params(), configs=configs)
+    assert "NIXL backends differ" in str(err.value) and "['LIBFABRIC']" in str(err.value) and "['UCX']" in str(err.value)
+
+
+def test_nixl_host_libfabric_must_be_an_absolute_path():
+    with pytest.raises(render.RenderError) as err:
+        params(nixl_host_libfabric="opt/efa")
+    assert "nixl_host_libfabric: expected an absolute path" in str(err.value)
