@@ -168,7 +168,50 @@ NIXL_HOST_LIBFABRIC = "LIBFABRIC"
 
 
 def nixl_plugins(site: Path) -> list[Path]:
-    return sorted(p for p in site.rglob("libplugin_*.so") if "nixl" in str(p).lower())
+    """The plugins NIXL loads: those in a plugins/ folder beside a libnixl.so. (nixl-cu13 also
+    carries auditwheel copies under nixl_cu13.libs/nixl/ that NIXL does not load and that do
+    not resolve on their own.)"""
+    return sorted(p for p in site.rglob("libplugin_*.so")
+                  if "nixl" in str(p).lower() and (p.parent.parent / "libnixl.so").is_file())
+
+
+NIXL_PROBE = """
+import json, sys
+from nixl_cu13._api import nixl_agent, nixl_agent_config
+agent = nixl_agent("glm53-self-test", nixl_agent_config(backends=[]))
+out = {}
+for name in sys.argv[1:]:
+    try:
+        agent.create_backend(name)
+        out[name] = "ok"
+    except Exception as exc:
+        out[name] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def probe_nixl_backends(names: tuple[str, ...], python: str = sys.executable) -> dict[str, str]:
+    """Instantiate each NIXL backend in a fresh interpreter (no GPU needed for UCX): what the
+    NixlConnector does at start. 'ok' or the error, per backend."""
+    proc = subprocess.run([python, "-c", NIXL_PROBE, *names], capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        return {name: f"probe failed: {tail}" for name in names}
+    return json.loads(lines[-1])
+
+
+def check_nixl_backends(results: dict[str, str], required: tuple[str, ...] = NIXL_REQUIRED,
+                        host_libfabric: str = NIXL_HOST_LIBFABRIC) -> Check:
+    bad = {n: r for n, r in results.items() if n in required and r != "ok"}
+    if bad:
+        return Check("nixl backends", "FAIL", "; ".join(f"{n}: {r}" for n, r in bad.items()))
+    ok = ", ".join(n for n in required if results.get(n) == "ok")
+    fabric = results.get(host_libfabric)
+    if fabric != "ok":
+        return Check("nixl backends", "WARN", f"{ok} instantiated; {host_libfabric}: {fabric} (needs the node's EFA "
+                     "libfabric, see nixl plugins ldd)")
+    return Check("nixl backends", "PASS", f"{ok}, {host_libfabric} instantiated by NIXL")
 
 
 def _plugin_name(path: Path) -> str:
@@ -284,6 +327,7 @@ def runtime_checks(home: Path, config_root: Path) -> list[Check]:
                         else "lmcache/cuda_ops*.so missing (built without BUILD_WITH_CUDA?)"))
     checks.append(check_aot(json.loads((home / "flashinfer-aot.json").read_text()), site))
     checks.append(check_ldd(nixl_plugins(site)))
+    checks.append(check_nixl_backends(probe_nixl_backends((*NIXL_REQUIRED, NIXL_HOST_LIBFABRIC))))
     checks.append(check_requirements())
     checks.extend(check_files(home, config_root))
     checks.append(check_presets(config_root))

@@ -122,8 +122,13 @@ def _cc(tmp_path: Path, name: str, source: str, *flags: str) -> Path:
 
 
 def test_ldd_of_plugins_names_a_missing_library(tmp_path: Path) -> None:
-    plugins = tmp_path / "nixl_cu13.libs" / "plugins"
+    plugins = tmp_path / ".nixl_cu13.mesonpy.libs" / "plugins"
     plugins.mkdir(parents=True)
+    _cc(plugins.parent, "libnixl.so", "int n(void) { return 0; }\n")
+    # auditwheel's copies, which NIXL does not load: not checked
+    copies = tmp_path / "nixl_cu13.libs" / "nixl"
+    copies.mkdir(parents=True)
+    _cc(copies, "libplugin_UCX.so", "int u(void) { return 0; }\n")
     dep = _cc(tmp_path, "libfabric.so.1", "int fi_version(void) { return 1; }\n", "-Wl,-soname,libfabric.so.1")
     _cc(plugins, "libplugin_LIBFABRIC.so", "int fi_version(void); int p(void) { return fi_version(); }\n",
         f"-L{tmp_path}", "-l:libfabric.so.1", f"-Wl,-rpath,{tmp_path}")
@@ -134,6 +139,7 @@ def test_ldd_of_plugins_names_a_missing_library(tmp_path: Path) -> None:
     vendor.unlink()
     found = selftest.nixl_plugins(tmp_path)
     assert [p.name for p in found] == ["libplugin_GPUNETIO.so", "libplugin_LIBFABRIC.so", "libplugin_UCX.so"]
+    assert all(p.parent == plugins for p in found)
     good = selftest.check_ldd(found)
     assert good.status == "PASS" and f"libfabric.so.1 => {dep}" in good.detail
     assert "optional plugins without their libraries: GPUNETIO (libdoca_gpunetio.so.2)" in good.detail
@@ -163,8 +169,9 @@ def test_ldd_names_the_libfabric_abi_the_efa_plugin_needs(tmp_path: Path) -> Non
         return _cc(tmp_path, "libfabric.so.1", "int fi_version(void) { return 1; }\n",
                    "-Wl,-soname,libfabric.so.1", f"-Wl,--version-script={script}")
 
-    plugins = tmp_path / "nixl_cu13.libs" / "plugins"
+    plugins = tmp_path / ".nixl_cu13.mesonpy.libs" / "plugins"
     plugins.mkdir(parents=True)
+    _cc(plugins.parent, "libnixl.so", "int n(void) { return 0; }\n")
     libfabric("FABRIC_1.10")
     _cc(plugins, "libplugin_LIBFABRIC.so", "int fi_version(void); int p(void) { return fi_version(); }\n",
         f"-L{tmp_path}", "-l:libfabric.so.1", f"-Wl,-rpath,{tmp_path}")
@@ -263,3 +270,23 @@ def test_deploy_check_renders_the_shipped_templates(tmp_path: Path) -> None:
     params.write_text(params.read_text().replace("replicas: 4", "replicas: -4", 1))
     check = selftest.check_deploy(root, python=sys.executable)
     assert check.status == "FAIL" and "prefill.replicas" in check.detail
+
+
+def test_nixl_backend_verdicts() -> None:
+    """The decision on NIXL's own answers (the probe itself runs NIXL, which only the image has;
+    make image's self-test and make image-check run it there)."""
+    assert selftest.check_nixl_backends({"UCX": "ok", "LIBFABRIC": "ok"}).status == "PASS"
+    warn = selftest.check_nixl_backends({"UCX": "ok", "LIBFABRIC": "nixlNotFoundError: NIXL_ERR_NOT_FOUND"})
+    assert warn.status == "WARN" and "LIBFABRIC: nixlNotFoundError" in warn.detail and warn.detail.startswith("UCX")
+    fail = selftest.check_nixl_backends({"UCX": "probe failed: ModuleNotFoundError", "LIBFABRIC": "ok"})
+    assert fail.status == "FAIL" and "UCX: probe failed" in fail.detail
+
+
+def test_nixl_probe_without_nixl_reports_the_failure(tmp_path: Path) -> None:
+    """Run for real with an interpreter that has no NIXL: every backend is reported failed."""
+    import sys
+
+    results = selftest.probe_nixl_backends(("UCX",), python=sys.executable)
+    if results == {"UCX": "ok"}:
+        pytest.skip("this interpreter has NIXL installed")
+    assert results["UCX"].startswith("probe failed:") and "nixl_cu13" in results["UCX"]
