@@ -190,28 +190,36 @@ print(json.dumps(out))
 """
 
 
-def probe_nixl_backends(names: tuple[str, ...], python: str = sys.executable) -> dict[str, str]:
+def probe_nixl_backends(names: tuple[str, ...], python: str = sys.executable) -> tuple[dict[str, str], str]:
     """Instantiate each NIXL backend in a fresh interpreter (no GPU needed for UCX): what the
-    NixlConnector does at start. 'ok' or the error, per backend."""
+    NixlConnector does at start. Returns 'ok' or the error per backend, and a note when the
+    probe's interpreter died after answering (nixl-cu13 1.5.1 with a UCX backend ends in
+    SIGSEGV at interpreter exit in a container without RDMA devices)."""
     proc = subprocess.run([python, "-c", NIXL_PROBE, *names], capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
+    if not lines:
         tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        return {name: f"probe failed: {tail}" for name in names}
-    return json.loads(lines[-1])
+        return {name: f"probe failed: {tail}" for name in names}, ""
+    note = ""
+    if proc.returncode < 0:
+        note = f"the probe died by signal {-proc.returncode} at exit, after answering"
+    elif proc.returncode > 0:
+        note = f"the probe exited {proc.returncode} after answering"
+    return json.loads(lines[-1]), note
 
 
-def check_nixl_backends(results: dict[str, str], required: tuple[str, ...] = NIXL_REQUIRED,
+def check_nixl_backends(results: dict[str, str], note: str = "", required: tuple[str, ...] = NIXL_REQUIRED,
                         host_libfabric: str = NIXL_HOST_LIBFABRIC) -> Check:
+    suffix = f" ({note})" if note else ""
     bad = {n: r for n, r in results.items() if n in required and r != "ok"}
     if bad:
-        return Check("nixl backends", "FAIL", "; ".join(f"{n}: {r}" for n, r in bad.items()))
+        return Check("nixl backends", "FAIL", "; ".join(f"{n}: {r}" for n, r in bad.items()) + suffix)
     ok = ", ".join(n for n in required if results.get(n) == "ok")
     fabric = results.get(host_libfabric)
     if fabric != "ok":
         return Check("nixl backends", "WARN", f"{ok} instantiated; {host_libfabric}: {fabric} (needs the node's EFA "
-                     "libfabric, see nixl plugins ldd)")
-    return Check("nixl backends", "PASS", f"{ok}, {host_libfabric} instantiated by NIXL")
+                     f"libfabric, see nixl plugins ldd){suffix}")
+    return Check("nixl backends", "PASS", f"{ok}, {host_libfabric} instantiated by NIXL{suffix}")
 
 
 def _plugin_name(path: Path) -> str:
@@ -327,7 +335,7 @@ def runtime_checks(home: Path, config_root: Path) -> list[Check]:
                         else "lmcache/cuda_ops*.so missing (built without BUILD_WITH_CUDA?)"))
     checks.append(check_aot(json.loads((home / "flashinfer-aot.json").read_text()), site))
     checks.append(check_ldd(nixl_plugins(site)))
-    checks.append(check_nixl_backends(probe_nixl_backends((*NIXL_REQUIRED, NIXL_HOST_LIBFABRIC))))
+    checks.append(check_nixl_backends(*probe_nixl_backends((*NIXL_REQUIRED, NIXL_HOST_LIBFABRIC))))
     checks.append(check_requirements())
     checks.extend(check_files(home, config_root))
     checks.append(check_presets(config_root))

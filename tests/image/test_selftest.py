@@ -280,13 +280,28 @@ def test_nixl_backend_verdicts() -> None:
     assert warn.status == "WARN" and "LIBFABRIC: nixlNotFoundError" in warn.detail and warn.detail.startswith("UCX")
     fail = selftest.check_nixl_backends({"UCX": "probe failed: ModuleNotFoundError", "LIBFABRIC": "ok"})
     assert fail.status == "FAIL" and "UCX: probe failed" in fail.detail
+    noted = selftest.check_nixl_backends({"UCX": "ok", "LIBFABRIC": "ok"}, "the probe died by signal 11 at exit")
+    assert noted.status == "PASS" and noted.detail.endswith("(the probe died by signal 11 at exit)")
+
+
+def test_nixl_probe_answer_counts_even_if_the_interpreter_dies_after(tmp_path: Path) -> None:
+    """A real interpreter that prints its answer and then dies by SIGSEGV, as nixl-cu13 1.5.1
+    does at exit after a UCX backend in the image: the answer is used and the death noted."""
+    import sys
+
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\n{sys.executable} -c 'print(\"{{\\\"UCX\\\": \\\"ok\\\"}}\")'; kill -SEGV $$\n")
+    fake.chmod(0o755)
+    results, note = selftest.probe_nixl_backends(("UCX",), python=str(fake))
+    assert results == {"UCX": "ok"}
+    assert note == "the probe died by signal 11 at exit, after answering"
 
 
 def test_nixl_probe_without_nixl_reports_the_failure(tmp_path: Path) -> None:
     """Run for real with an interpreter that has no NIXL: every backend is reported failed."""
     import sys
 
-    results = selftest.probe_nixl_backends(("UCX",), python=sys.executable)
+    results, _ = selftest.probe_nixl_backends(("UCX",), python=sys.executable)
     if results == {"UCX": "ok"}:
         pytest.skip("this interpreter has NIXL installed")
     assert results["UCX"].startswith("probe failed:") and "nixl_cu13" in results["UCX"]
