@@ -228,7 +228,8 @@ def cmd_lock(args: argparse.Namespace, layout: Layout) -> int:
     from . import lock as lock_step
 
     index = args.index_url or IndexConfig.from_pip().index_urls[0]
-    for path in lock_step.write_locks(pins_step.load(layout.pins_file), layout.repo / "build" / "lock", index):
+    tools = lock_step.requirement_lines(layout.repo / "scripts" / "requirements.txt")
+    for path in lock_step.write_locks(pins_step.load(layout.pins_file), layout.repo / "build" / "lock", index, tools):
         print(f"wrote    {path.relative_to(layout.repo)}")
     return 0
 

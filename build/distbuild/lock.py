@@ -9,9 +9,10 @@ primary index pip is configured with, isolated from local find-links and
 constraint files (they hold CPU builds of torch), on CPython 3.11 x86_64
 Linux (the image's platform), and writes:
 
-- ``build/lock/image.txt``: what the runtime stage installs. LMCache and
-  FlashInfer are resolved for their dependencies and then left out: the image
-  installs our patched builds of them.
+- ``build/lock/image.txt``: what the runtime stage installs, the operator
+  tools' ``scripts/requirements.txt`` included. LMCache and FlashInfer are
+  resolved for their dependencies and then left out: the image installs our
+  patched builds of them.
 - ``build/lock/builder.txt``: torch and the build requirements of the two
   patched wheels (plus FlashInfer's import-time dependencies, for the
   ahead-of-time compile).
@@ -63,9 +64,18 @@ def _upstream_spec(pins: list[Pin], upstream: str) -> str:
     return pin.spec
 
 
-def image_specs(pins: list[Pin]) -> list[str]:
+def requirement_lines(path: Path) -> list[str]:
+    """The requirements of a pip requirements file (comments and blank lines dropped)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise DistBuildError(f"{path}: cannot read the requirements: {exc}") from exc
+    return [line.split("#", 1)[0].strip() for line in text.splitlines() if line.split("#", 1)[0].strip()]
+
+
+def image_specs(pins: list[Pin], tools: list[str] = ()) -> list[str]:
     wheels = [p.spec for p in pins if p.role == "image"]
-    return [*wheels, _upstream_spec(pins, "lmcache"), _upstream_spec(pins, "flashinfer")]
+    return [*wheels, _upstream_spec(pins, "lmcache"), _upstream_spec(pins, "flashinfer"), *tools]
 
 
 def builder_specs(pins: list[Pin]) -> list[str]:
@@ -154,8 +164,8 @@ def render(locked: list[Locked], title: str, leave_out: tuple[str, ...] = ()) ->
     return "\n".join(lines) + "\n"
 
 
-def write_locks(pins: list[Pin], lock_dir: Path, index_url: str) -> list[Path]:
-    image = resolve(image_specs(pins), index_url)
+def write_locks(pins: list[Pin], lock_dir: Path, index_url: str, tools: list[str] = ()) -> list[Path]:
+    image = resolve(image_specs(pins, tools), index_url)
     check_against_pins(image, pins)
     # The builder uses the runtime's versions of what both install (torch,
     # apache-tvm-ffi: the AOT module must match the runtime's ABI), except the

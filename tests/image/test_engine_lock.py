@@ -9,6 +9,8 @@ from distbuild import engine, lock
 from distbuild.errors import DistBuildError
 from distbuild.pins import Pin
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def test_first_answering_engine_wins_and_a_dead_docker_does_not_count() -> None:
     which = {"docker": "/usr/bin/docker", "podman": "/usr/bin/podman", "buildah": "/usr/bin/buildah"}.get
@@ -72,3 +74,31 @@ def test_lock_rendering_leaves_out_the_patched_projects() -> None:
     text = lock.render(locked, "title", ("lmcache",))
     assert "lmcache==" not in text and "left out (installed from our patched builds): lmcache" in text
     assert "torch==2.13.0 \\\n    --hash=sha256:" + "b" * 64 in text
+
+
+def test_the_operator_tools_requirements_are_in_the_image_lock() -> None:
+    """scripts/requirements.txt goes into the image's closure (make lock resolves it with the
+    rest): every tool requirement is in build/lock/image.txt at its pinned version."""
+    tools = lock.requirement_lines(REPO / "scripts" / "requirements.txt")
+    assert tools and all("==" in t for t in tools)
+    locked = {}
+    for line in (REPO / "build" / "lock" / "image.txt").read_text().splitlines():
+        if "==" in line and not line.startswith(("#", " ")):
+            name, version = line.split(" ")[0].split("==")
+            locked[name] = version
+    for requirement in tools:
+        name, version = requirement.split("==")
+        assert locked.get(name.lower().replace("_", "-")) == version, f"{requirement} is not in build/lock/image.txt"
+    pins = [_pin("torch", "torch-1.0-cp311-cp311-manylinux_2_28_x86_64.whl", "a" * 64),
+            Pin("lmcache", "0.5.5", "sdist", "upstream", "lmcache-0.5.5.tar.gz", "b" * 64, 1, upstream="lmcache"),
+            Pin("flashinfer-python", "0.7.0.post1", "sdist", "upstream", "f.tar.gz", "c" * 64, 1,
+                upstream="flashinfer")]
+    assert lock.image_specs(pins, tools)[-len(tools):] == tools
+
+
+def test_requirement_lines_and_a_missing_file(tmp_path: Path) -> None:
+    req = tmp_path / "requirements.txt"
+    req.write_text("# tools\naiohttp==3.14.5\n\nvalkey==6.2.0  # the sampler\n")
+    assert lock.requirement_lines(req) == ["aiohttp==3.14.5", "valkey==6.2.0"]
+    with pytest.raises(DistBuildError, match="nope.txt: cannot read the requirements"):
+        lock.requirement_lines(tmp_path / "nope.txt")
