@@ -99,6 +99,7 @@ def test_kv_sizing_in_the_image_reproduces_the_write_up(image):
 
 
 def test_valkey_stats_in_the_image_counts_the_gets_sent_to_a_real_valkey(image, tmp_path):
+    (tmp_path / "valkey").mkdir()
     valkey = start_valkey(tmp_path / "valkey")
     try:
         client = valkey.client()
