@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.configs.support import load_render
 from tests.ops.fake_engine import FakeEngine
 from tests.support.valkey import start_valkey
 
@@ -174,9 +175,7 @@ def test_deployment_renders_in_the_image(image, tmp_path):
     done = run_image(image, "python3", "/etc/glm53/deploy/render.py", "--set", f"image={image[1]}",
                      "--out", "/out", out=out)
     assert done.returncode == 0, done.stderr
-    sys.path.insert(0, str(REPO / "configs" / "deploy"))
-    import render  # the repo's renderer: the image's copy must render the same manifests
-
+    render = load_render()  # the repo's renderer: the image's copy must render the same manifests
     assert sorted(p.name for p in out.iterdir()) == render.FILES
     expected = tmp_path / "expected"
     subprocess.run([sys.executable, str(REPO / "configs" / "deploy" / "render.py"), "--set", f"image={image[1]}",
