@@ -29,7 +29,7 @@ ONLY_ON_3111 = 'python_full_version == "3.11.1"'
 def _wheel(index: Path, files: Path, name: str, version: str, requires: list[str]) -> None:
     filename = f"{name}-{version}-py3-none-any.whl"
     path = files / filename
-    meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
     dist_info = f"{name}-{version}.dist-info"
     with zipfile.ZipFile(path, "w") as wheel:
         wheel.writestr(f"{name}/__init__.py", "")
