@@ -1,6 +1,6 @@
 """Operator tools for validating a GLM-5.3 serving deployment before it takes traffic.
 
-Four tools, each behind a thin script in ``scripts/``:
+Five tools, each behind a thin script in ``scripts/``:
 
 - ``replay``: open-loop replay of a JSONL request stream against an
   OpenAI-compatible endpoint, TTFT percentiles, SLA gates, CSV and PNGs
@@ -11,6 +11,9 @@ Four tools, each behind a thin script in ``scripts/``:
   from L1, from L2 after a restart, and cold again (``needle_cli``).
 - ``profile-capture``: the Nsight Systems command, the start/stop profiling
   window, and py-spy dumps of the engine processes (``profile_cli``).
+- ``cellsim``: a SimPy model of prefill pods loading KV from Valkey shards
+  (``cellsim_model``), the write-up's figures simulated (``cellsim_writeup``)
+  and a pods x shards sweep against TTFT gates (``cellsim_cli``).
 
 Modules have one job each; the ``*_cli`` modules parse arguments and wire the
 others together.

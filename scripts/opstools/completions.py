@@ -1,11 +1,19 @@
 """One streamed ``/v1/completions`` request, timed: TTFT, end-to-end, tokens, status.
 
-The server must answer ``text/event-stream`` with ``data: {json}`` events and
-a final ``data: [DONE]`` (the OpenAI and vLLM format). TTFT is the time from
-sending the request to the first event whose ``choices[0].text`` is not empty
-(an engine may send empty chunks first). Tokens come from the ``usage`` event
-(``stream_options.include_usage``) when the server sends one, else from the
-number of chunks with text.
+The answer to a ``stream: true`` request is read as an event stream
+(``data: {json}`` events and a final ``data: [DONE]``, the OpenAI and vLLM
+format) whatever its Content-Type says: front ends such as vLLM's P/D toy
+proxy relay the engine's stream as ``application/json``. A wrong header is
+reported once per endpoint and Content-Type (on stderr); a body with no event
+in it is still a malformed stream.
+
+Timing follows ``vllm bench serve``: TTFT is the time from sending the request
+to the first event with a non-empty ``choices`` list, whatever its text (a
+token can detokenize to ``""``, as happens with prefill-only ``max_tokens: 1``
+requests); each later ``choices`` event adds one inter-token latency. A
+complete stream without any ``choices`` event is a failure (``no_token``).
+Tokens come from the ``usage`` event (``stream_options.include_usage``) when
+the server sends one, else from the number of ``choices`` events.
 
 Outcomes: the statuses of :mod:`records`.
 """
@@ -13,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from typing import Any
 
@@ -24,6 +33,7 @@ from .records import (
     DISCONNECTED,
     HTTP_ERROR,
     MALFORMED,
+    NO_TOKEN,
     OK,
     STREAM_ERROR,
     TIMEOUT,
@@ -33,6 +43,20 @@ from .records import (
 
 class StreamProtocolError(Exception):
     """The response is not an OpenAI completions event stream."""
+
+
+_warned_headers: set[tuple[str, str]] = set()
+
+
+def _warn_content_type(url: str, content_type: str) -> None:
+    """Say once per endpoint and header that a stream came with a wrong Content-Type."""
+    key = (url, content_type)
+    if key in _warned_headers:
+        return
+    _warned_headers.add(key)
+    print(f"warning: {url} answered a stream: true request with Content-Type {content_type or 'none'!r}, "
+          "not text/event-stream; reading it as an event stream (vLLM's P/D toy proxy does this)",
+          file=sys.stderr, flush=True)
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -99,7 +123,12 @@ def _handle_event(data: str, record: RequestRecord, now_s: float, keep_text: boo
     usage = payload.get("usage")
     if choices is None and usage is None:
         raise StreamProtocolError(f"event has neither 'choices' nor 'error': {_short(data, 120)!r}")
-    if isinstance(choices, list):
+    if isinstance(choices, list) and choices:
+        if record.first_token_s is None:
+            record.first_token_s = now_s
+        else:
+            record.token_times_s.append(now_s)
+        record.choice_events += 1
         for choice in choices:
             text = choice.get("text") if isinstance(choice, dict) else None
             if text is None and isinstance(choice, dict):
@@ -107,8 +136,6 @@ def _handle_event(data: str, record: RequestRecord, now_s: float, keep_text: boo
                 text = delta.get("content") if isinstance(delta, dict) else None
             if text:
                 record.text_chunks += 1
-                if record.first_token_s is None:
-                    record.first_token_s = now_s
                 if keep_text:
                     record.text += text
     if isinstance(usage, dict):
@@ -156,25 +183,40 @@ async def stream_completion(
                     return
                 content_type = resp.headers.get("Content-Type", "")
                 if not content_type.startswith("text/event-stream"):
-                    raise StreamProtocolError(
-                        f"expected Content-Type text/event-stream, got {content_type or 'none'!r}"
-                    )
+                    if not body.get("stream"):
+                        raise StreamProtocolError(
+                            f"expected Content-Type text/event-stream, got {content_type or 'none'!r}"
+                        )
+                    _warn_content_type(url, content_type)
                 assembler = _EventAssembler()
+                events = 0
+                head = b""
                 async for chunk in resp.content.iter_any():
+                    if len(head) < 120:
+                        head += chunk[: 120 - len(head)]
                     for data in assembler.feed(chunk):
+                        events += 1
                         done = _handle_event(data, record, now(), keep_text) or done
                 for data in assembler.finish():
+                    events += 1
                     done = _handle_event(data, record, now(), keep_text) or done
         record.end_s = now()
         if record.status == STREAM_ERROR:
             return
+        if not events:
+            raise StreamProtocolError(
+                f"the body holds no 'data:' event (Content-Type {content_type or 'none'!r}, "
+                f"begins {_short(head.decode('utf-8', errors='replace'), 80)!r}): not an event stream"
+            )
         if not done:
             raise StreamProtocolError("the stream ended without 'data: [DONE]'")
         if record.completion_tokens is None:
-            record.completion_tokens = record.text_chunks
+            record.completion_tokens = record.choice_events
             record.tokens_source = "chunks"
         if record.first_token_s is None:
-            record.error = "the stream carried no text: TTFT not measured"
+            record.status = NO_TOKEN
+            record.error = "the stream ended without any 'choices' event: no token, TTFT not measured"
+            return
         record.status = OK
     except StreamProtocolError as exc:
         record.end_s = now()

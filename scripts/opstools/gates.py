@@ -4,6 +4,11 @@ Defaults are the write-up's benchmark limits: TTFT P90 < 70 s, P50 < 30 s,
 mean < 30 s, and 100% of the stream's requests successful. Latency gates are
 strict (a value equal to the limit fails); the success gate passes at or
 above its limit. A latency gate with no successful request to measure fails.
+
+The output-throughput gate (off by default: a prefill-only replay with
+``max_tokens: 1`` has almost no output) is a floor on the aggregate output
+tokens/s, as the write-up's benchmark has one (30 tokens/s); it passes at or
+above its limit.
 """
 from __future__ import annotations
 
@@ -21,13 +26,15 @@ TTFT_METRICS = ("p50", "p90", "p99", "mean")
 
 @dataclass(frozen=True)
 class Gate:
-    metric: str  # one of TTFT_METRICS, or "success_pct"
+    metric: str  # one of TTFT_METRICS, "success_pct" or "output_tps"
     limit: float
 
     @property
     def description(self) -> str:
         if self.metric == "success_pct":
             return f"success >= {self.limit:g}%"
+        if self.metric == "output_tps":
+            return f"output >= {self.limit:g} tok/s"
         return f"TTFT {self.metric.upper() if self.metric != 'mean' else 'mean'} < {self.limit:g} s"
 
 
@@ -42,6 +49,8 @@ class GateResult:
             shown = "no data"
         elif self.gate.metric == "success_pct":
             shown = f"{self.value:.1f}%"
+        elif self.gate.metric == "output_tps":
+            shown = f"{self.value:.1f} tok/s"
         else:
             shown = f"{self.value:.2f} s"
         return f"{'pass' if self.passed else 'FAIL'}  {self.gate.description:<22} measured {shown}"
@@ -53,6 +62,7 @@ def build_gates(
     mean_s: float | None = DEFAULT_MEAN_S,
     success_pct: float | None = DEFAULT_SUCCESS_PCT,
     p99_s: float | None = None,
+    output_tps: float | None = None,
 ) -> list[Gate]:
     """The gates to apply; ``None`` leaves a gate out."""
     gates = []
@@ -61,6 +71,8 @@ def build_gates(
             gates.append(Gate(metric, limit))
     if success_pct is not None:
         gates.append(Gate("success_pct", success_pct))
+    if output_tps is not None:
+        gates.append(Gate("output_tps", output_tps))
     return gates
 
 
@@ -70,6 +82,9 @@ def evaluate(summary: ReplaySummary, gates: list[Gate]) -> list[GateResult]:
         if gate.metric == "success_pct":
             value: float | None = summary.success_pct
             passed = summary.requests > 0 and summary.success_pct >= gate.limit
+        elif gate.metric == "output_tps":
+            value = summary.throughput.output_tokens_per_s if summary.ok else None
+            passed = value is not None and value >= gate.limit
         elif gate.metric in TTFT_METRICS:
             value = getattr(summary.ttft, gate.metric)
             passed = value is not None and value < gate.limit

@@ -29,6 +29,7 @@ from .needle import DEFAULT_LENGTHS, FittedPrompt, answer_has_code, fit_prompt, 
 TOOL = "needle"
 
 PHASES = ("cold", "l1", "l2", "cold-again")
+SERVED_PHASES = ("l1", "l2")  # must be served from cache, with evidence
 PHASE_MEANING = {
     "cold": "first sight of the prompt (fresh salt): computed, then stored in L1 and L2",
     "l1": "the same prompt again: loaded from LMCache's CPU tier",
@@ -46,6 +47,18 @@ from the server's /tokenize. Each prompt is answered in four phases:
   l2          after you restart the engine (Valkey keeps running): L2 serves it
   cold-again  a second fresh salt: computed again, as a control
 
+Phases l1 and l2 pass only with evidence that the cache served the prompt:
+the engines' KV-connector hit counter (vllm:external_prefix_cache_hits on
+/metrics) rose by at least the prompt minus one chunk, or, where no engine
+serves that counter, the answer's usage reports that many cached tokens (vLLM
+sends cached_tokens only with --enable-prompt-tokens-details). Otherwise the
+phase fails and says which evidence was missing.
+
+Through a front end (vLLM's P/D toy proxy) that has no /tokenize, /health or
+/metrics, pass --engine-url of a prefill engine (tokenizer, model list,
+health, prefix-cache reset) and --metrics-url of every prefill engine: the
+decode engine's cached_tokens count NIXL's transfer, not LMCache.
+
 "Cold" works because the salt is the prompt's first line: vLLM's prefix cache
 and LMCache hash every block/chunk together with all tokens before it, so a
 new first line changes every hash. The run pauses before phase l2 and asks you
@@ -55,13 +68,15 @@ VLLM_SERVER_DEV_MODE=1), so phase l1 is not served from GPU memory instead.
 
 example:
   scripts/needle --url http://127.0.0.1:8000 --lengths 12800,65536,166656 --seed 3 --out work/ops/needle
+  scripts/needle --url http://proxy:8000 --engine-url http://prefill-0:8000 \
+      --metrics-url http://prefill-0:8000,http://prefill-1:8000 --skip-restart
 """
 
 EPILOG = """\
 outputs in --out: prompts.jsonl (the fitted prompts: salt, code, depth, tokens, text),
-results.csv (one row per prompt and phase), summary.json. Exit: 0 every answer found,
-1 a code not found or a request failed, 2 error (endpoint, tokenizer, bad value),
-130 interrupted.
+results.csv (one row per prompt and phase), summary.json. Exit: 0 every answer found
+(and phases l1/l2 served from cache), 1 a code not found, a request failed or a cached
+phase without evidence, 2 error (endpoint, tokenizer, bad value), 130 interrupted.
 """
 
 
@@ -75,9 +90,24 @@ def lengths_list(text: str) -> list[int]:
     return values
 
 
+def url_list(text: str) -> list[str]:
+    urls = [part.strip() for part in text.split(",") if part.strip()]
+    if not urls or any("://" not in u for u in urls):
+        raise argparse.ArgumentTypeError(f"expected http:// URLs, comma-separated, got {text!r}")
+    return urls
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=TOOL, description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
-    parser.add_argument("--url", required=True, help="base URL of the engine, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--url", required=True, help="base URL of the completions endpoint (engine or front end), "
+                                                     "e.g. http://127.0.0.1:8000")
+    parser.add_argument("--engine-url", help="base URL of an engine for /tokenize, /v1/models, /health, "
+                                             "/reset_prefix_cache (default: --url)")
+    parser.add_argument("--metrics-url", type=url_list, action="extend", default=None, metavar="URL[,URL]",
+                        help="engines whose vllm:external_prefix_cache_hits counter is the evidence (repeat or "
+                             "comma-separate; default: the engine's /metrics, if it serves the counter)")
+    parser.add_argument("--chunk-tokens", type=positive_int, default=256,
+                        help="LMCache chunk size: a cached phase must be served but this many tokens")
     parser.add_argument("--model", help="model name (default: the first of GET /v1/models)")
     parser.add_argument("--lengths", type=lengths_list, default=list(DEFAULT_LENGTHS), metavar="N,N,...",
                         help="prompt lengths in tokens")
@@ -110,6 +140,13 @@ class Answer:
     prompt_tokens: int | None
     text: str
     error: str
+    connector_hits: float | None = None
+    evidence: str = ""  # why a cached phase counts as served (or not); "" for cold phases
+    served: bool | None = None  # None: not a cached phase
+
+    @property
+    def passed(self) -> bool:
+        return self.found and self.served is not False
 
     def row(self) -> dict[str, Any]:
         return {
@@ -124,13 +161,16 @@ class Answer:
             "ttft_s": "" if self.ttft_s is None else f"{self.ttft_s:.4f}",
             "e2e_s": "" if self.e2e_s is None else f"{self.e2e_s:.4f}",
             "cached_tokens": "" if self.cached_tokens is None else self.cached_tokens,
+            "connector_hits": "" if self.connector_hits is None else int(self.connector_hits),
+            "served_from_cache": "" if self.served is None else ("yes" if self.served else "no"),
+            "evidence": self.evidence,
             "answer": self.text.strip(),
             "error": self.error,
         }
 
 
 RESULT_COLUMNS = ("length", "prompt_tokens", "phase", "salt", "code", "depth", "status", "found", "ttft_s",
-                  "e2e_s", "cached_tokens", "answer", "error")
+                  "e2e_s", "cached_tokens", "connector_hits", "served_from_cache", "evidence", "answer", "error")
 
 
 def _say(text: str) -> None:
@@ -165,12 +205,29 @@ async def wait_until_serving(session: Any, base_url: str, timeout_s: float) -> N
     raise OpsError(f"{url}: the engine did not serve again within {timeout_s:g} s (last: {last})")
 
 
+async def _hit_counter(session: Any, args: argparse.Namespace, engine_url: str) -> Any:
+    """The connector hit counter to judge cached phases by, or None (then usage's cached_tokens)."""
+    from .cache_evidence import HITS_METRIC, HitCounter
+
+    if args.metrics_url:
+        counter = HitCounter(session, args.metrics_url)
+        await counter.require()
+        return counter
+    counter = HitCounter(session, [engine_url])
+    if await counter.read() is not None:
+        return counter
+    _say(f"needle: {counter.urls[0]} serves no {HITS_METRIC} counter; phases l1/l2 are judged by the answers' "
+         "usage cached_tokens (vLLM needs --enable-prompt-tokens-details; through a P/D proxy these count NIXL's "
+         "transfer: pass --metrics-url of the prefill engines)")
+    return None
+
+
 async def _fit_all(
-    args: argparse.Namespace, session: Any, model: str, salts: dict[str, str]
+    args: argparse.Namespace, session: Any, engine_url: str, model: str, salts: dict[str, str]
 ) -> dict[str, list[FittedPrompt]]:
     from .tokenizer_client import TokenizerClient
 
-    tokenizer = TokenizerClient(session, args.url, model)
+    tokenizer = TokenizerClient(session, engine_url, model)
     specs = make_specs(args.lengths, args.seed)
     fitted: dict[str, list[FittedPrompt]] = {}
     for salt_name, salt in salts.items():
@@ -190,10 +247,13 @@ async def _fit_all(
     return fitted
 
 
-async def _ask(session: Any, args: argparse.Namespace, model: str, prompt: FittedPrompt, phase: str) -> Answer:
+async def _ask(session: Any, args: argparse.Namespace, model: str, prompt: FittedPrompt, phase: str,
+               counter: Any) -> Answer:
+    from .cache_evidence import judge
     from .completions import stream_completion
     from .records import RequestRecord
 
+    before = await counter.read() if counter is not None else None
     record = RequestRecord(id=f"{phase}-{prompt.spec.target_tokens}", offset_s=0.0)
     body = {
         "model": model, "prompt": prompt.text, "max_tokens": args.max_answer_tokens, "temperature": 0,
@@ -202,8 +262,21 @@ async def _ask(session: Any, args: argparse.Namespace, model: str, prompt: Fitte
     await stream_completion(session, args.url.rstrip("/") + "/v1/completions", body, record, time.monotonic(),
                             args.request_timeout, keep_text=True)
     found = record.ok and answer_has_code(record.text, prompt.spec.code)
-    return Answer(prompt, phase, record.status, found, record.ttft_s, record.e2e_s, record.cached_tokens,
-                  record.prompt_tokens, record.text, record.error)
+    answer = Answer(prompt, phase, record.status, found, record.ttft_s, record.e2e_s, record.cached_tokens,
+                    record.prompt_tokens, record.text, record.error)
+    if before is not None:
+        needed = prompt.tokens - args.chunk_tokens
+        for attempt in range(4):  # the engine may count a step's hits just after the answer ends
+            after = await counter.read()
+            answer.connector_hits = None if after is None else after - before
+            if answer.connector_hits is None or answer.connector_hits >= needed or attempt == 3:
+                break
+            await asyncio.sleep(0.5)
+    if phase in SERVED_PHASES:
+        verdict = judge(prompt.tokens, args.chunk_tokens, answer.connector_hits, record.cached_tokens,
+                        ", ".join(counter.urls) if counter is not None else "no engine")
+        answer.served, answer.evidence = verdict.served, verdict.detail
+    return answer
 
 
 async def _run(args: argparse.Namespace, out: Path, phases: list[str], answers: list[Answer]) -> None:
@@ -215,11 +288,13 @@ async def _run(args: argparse.Namespace, out: Path, phases: list[str], answers: 
     salt = args.salt or "n" + secrets.token_hex(6)
     salts = {"first": f"{salt}-first", "again": f"{salt}-again"}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    engine_url = args.engine_url or args.url
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        model = await resolve_model(session, args.url, args.model, 10.0)
+        model = await resolve_model(session, engine_url, args.model, 10.0)
+        counter = await _hit_counter(session, args, engine_url)
         if "cold-again" not in phases:
             salts.pop("again")
-        fitted = await _fit_all(args, session, model, salts)
+        fitted = await _fit_all(args, session, engine_url, model, salts)
         with (out / "prompts.jsonl").open("w", encoding="utf-8") as handle:
             for prompts in fitted.values():
                 for p in prompts:
@@ -232,7 +307,7 @@ async def _run(args: argparse.Namespace, out: Path, phases: list[str], answers: 
             return
         for phase in phases:
             if phase == "l1" and args.reset_prefix_cache:
-                url = args.url.rstrip("/") + "/reset_prefix_cache"
+                url = engine_url.rstrip("/") + "/reset_prefix_cache"
                 async with session.post(url) as resp:
                     if resp.status != 200:
                         raise OpsError(f"{url}: HTTP {resp.status}; start vLLM with VLLM_SERVER_DEV_MODE=1 "
@@ -245,15 +320,19 @@ async def _run(args: argparse.Namespace, out: Path, phases: list[str], answers: 
                 if not line:
                     raise OpsError("phase l2: no operator input (stdin is closed); pass --skip-restart "
                                    "or run interactively")
-                await wait_until_serving(session, args.url, args.restart_timeout)
+                await wait_until_serving(session, engine_url, args.restart_timeout)
             prompts = fitted["again" if phase == "cold-again" else "first"]
             _say(f"needle: phase {phase}: {PHASE_MEANING[phase]}")
             for prompt in prompts:
-                answer = await _ask(session, args, model, prompt, phase)
+                answer = await _ask(session, args, model, prompt, phase, counter)
                 answers.append(answer)
                 ttft = f"{answer.ttft_s:.2f} s" if answer.ttft_s is not None else "-"
                 verdict = "found" if answer.found else "NOT FOUND"
+                if answer.served is False:
+                    verdict += ", NOT SERVED FROM CACHE"
                 detail = f" ({answer.error})" if answer.error else ""
+                if answer.served is False:
+                    detail += f" [{answer.evidence}]"
                 _say(f"  {prompt.tokens:>7} tokens  {phase:<10} TTFT {ttft:>9}  {verdict}: "
                      f"{answer.text.strip()[:40]!r}{detail}")
 
@@ -276,19 +355,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out / 'prompts.jsonl'} ({len(args.lengths)} lengths); no completion sent (--dry-run)")
         return EXIT_OK
     missing = [a for a in answers if not a.found]
+    unserved = [a for a in answers if a.found and a.served is False]
     print(f"{'tokens':>8} " + " ".join(f"{p:>10}" for p in phases))
     by_length: dict[int, dict[str, Answer]] = {}
     for answer in answers:
         by_length.setdefault(answer.prompt.spec.target_tokens, {})[answer.phase] = answer
     for length, row in by_length.items():
-        cells = [("found" if row[p].found else "NOT FOUND") if p in row else "-" for p in phases]
+        cells = [_cell(row[p]) if p in row else "-" for p in phases]
         print(f"{length:>8} " + " ".join(f"{c:>10}" for c in cells))
     print(f"{len(answers) - len(missing)} of {len(answers)} answers found; written: {out}/results.csv, "
           "prompts.jsonl, summary.json")
-    if missing:
-        return fail(f"{len(missing)} answer(s) without the code: "
-                    + ", ".join(f"{a.prompt.spec.target_tokens}/{a.phase}" for a in missing), EXIT_FAILED, TOOL)
+    for answer in unserved:
+        print(f"{answer.prompt.spec.target_tokens}/{answer.phase}: {answer.evidence}")
+    if missing or unserved:
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} answer(s) without the code: "
+                            + ", ".join(f"{a.prompt.spec.target_tokens}/{a.phase}" for a in missing))
+        if unserved:
+            problems.append(f"{len(unserved)} cached-phase answer(s) not served from cache: "
+                            + ", ".join(f"{a.prompt.spec.target_tokens}/{a.phase}" for a in unserved))
+        return fail("; ".join(problems), EXIT_FAILED, TOOL)
     return EXIT_OK
+
+
+def _cell(answer: Answer) -> str:
+    if not answer.found:
+        return "NOT FOUND"
+    return "found" if answer.served is not False else "NO CACHE"
 
 
 def _write_results(out: Path, answers: list[Answer]) -> None:
@@ -301,4 +395,7 @@ def _write_results(out: Path, answers: list[Answer]) -> None:
         "answers": len(answers),
         "found": sum(a.found for a in answers),
         "not_found": [f"{a.prompt.spec.target_tokens}/{a.phase}" for a in answers if not a.found],
+        "not_served_from_cache": {f"{a.prompt.spec.target_tokens}/{a.phase}": a.evidence
+                                  for a in answers if a.served is False},
+        "passed": all(a.passed for a in answers),
     }, indent=2) + "\n", encoding="utf-8")

@@ -1,6 +1,7 @@
 """PNG plots (matplotlib, Agg backend, no display needed).
 
-Replay: TTFT over send time, TTFT CDF, requests in flight over time.
+Replay: TTFT over send time, TTFT CDF, requests in flight over time, output
+throughput with TPOT/ITL and send lag.
 Valkey: GET calls/s, microseconds per GET and main-thread CPU per shard.
 """
 from __future__ import annotations
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .gates import GateResult
+from .gates import TTFT_METRICS, GateResult
 from .records import RequestRecord
 from .stats import THIRD_NAMES, ReplaySummary, in_flight_steps, third_boundaries
 
@@ -33,7 +34,7 @@ def _metric_name(metric: str) -> str:
 
 
 def _gate_limits(gate_results: Sequence[GateResult]) -> dict[str, float]:
-    return {r.gate.metric: r.gate.limit for r in gate_results if r.gate.metric != "success_pct"}
+    return {r.gate.metric: r.gate.limit for r in gate_results if r.gate.metric in TTFT_METRICS}
 
 
 def plot_ttft_over_time(
@@ -138,6 +139,79 @@ def plot_in_flight(path: Path, records: Sequence[RequestRecord], summary: Replay
     ax.set_ylim(bottom=0)
     ax.set_title(f"Requests in flight | {title}")
     ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_throughput(
+    path: Path, records: Sequence[RequestRecord], summary: ReplaySummary, gate_results: Sequence[GateResult],
+    title: str, window_s: float = 10.0,
+) -> None:
+    """Three panels: output tokens/s per window of time (tokens at their arrival; the
+    aggregate and the output gate as lines), TPOT and ITL distributions, send lag over send time."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9))
+    ok = [r for r in records if r.ok]
+    # every token at the time it arrived; the usage count is spread over the choices events
+    stamps: list[tuple[float, float]] = []
+    for r in ok:
+        times = [t for t in ([r.first_token_s] + list(r.token_times_s)) if t is not None]
+        if times and r.completion_tokens:
+            weight = r.completion_tokens / len(times)
+            stamps.extend((t, weight) for t in times)
+    ax = axes[0]
+    if stamps:
+        end = max(t for t, _ in stamps)
+        bins = max(1, int(end // window_s) + 1)
+        totals = [0.0] * bins
+        for t, weight in stamps:
+            totals[min(bins - 1, int(t // window_s))] += weight
+        ax.step([i * window_s for i in range(bins)], [v / window_s for v in totals], where="post",
+                color="tab:blue", label=f"output tokens/s per {window_s:g} s")
+    tput = summary.throughput
+    ax.axhline(tput.output_tokens_per_s, color="black", linestyle=":", linewidth=1,
+               label=f"aggregate {tput.output_tokens_per_s:.1f} tok/s; "
+                     f"{tput.tokens_per_minute / 1e6:.3f}M tokens/min")
+    for result in gate_results:
+        if result.gate.metric == "output_tps":
+            ax.axhline(result.gate.limit, color="tab:red", linestyle="--", linewidth=1,
+                       label=f"gate: output >= {result.gate.limit:g} tok/s")
+    ax.set_xlabel("time (s after start)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title(f"Output throughput | {title}")
+    ax = axes[1]
+    from .stats import inter_token_latencies, tpot_s
+
+    tpots = sorted(v * 1000 for r in ok if (v := tpot_s(r)) is not None)
+    itls = sorted(gap * 1000 for r in ok for gap in inter_token_latencies(r))
+    for values, name, color in ((tpots, "TPOT", "tab:green"), (itls, "ITL", "tab:orange")):
+        if values:
+            ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", color=color,
+                    label=f"{name} ({len(values)}): p50 {values[len(values) // 2]:.1f} ms")
+    if not tpots and not itls:
+        ax.text(0.5, 0.5, "no request had more than one token", transform=ax.transAxes, ha="center")
+    else:
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlabel("TPOT and ITL (ms)")
+    ax.set_ylabel("share")
+    ax.set_ylim(0, 1.02)
+    ax = axes[2]
+    lagged = [r for r in records if r.send_lag_s is not None]
+    ax.plot([r.sent_s for r in lagged], [r.send_lag_s * 1000 for r in lagged], ".", color="tab:purple",
+            markersize=4, label=f"send lag (p99 {summary.send_lag.p99 * 1000:.1f} ms)"
+            if summary.send_lag.p99 is not None else "send lag")
+    if summary.send_lag_warning:
+        ax.set_title("the client fell behind its stream", color="tab:red", fontsize=9)
+    ax.set_xlabel("send time (s after start)")
+    ax.set_ylabel("send lag (ms)")
+    ax.set_ylim(bottom=0)
+    if lagged:
+        ax.legend(loc="upper left", fontsize=8)
+    for a in axes:
+        a.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

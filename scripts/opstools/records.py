@@ -7,6 +7,8 @@ Statuses:
 - ``stream_error``: the server streamed an ``{"error": ...}`` event;
 - ``malformed_stream``: not an event stream, an event that is not JSON or has
   neither ``choices`` nor ``error``, or no ``[DONE]`` before the end;
+- ``no_token``: a complete stream without any ``choices`` event (no token
+  came, so there is no TTFT; ``vllm bench serve`` fails such a request too);
 - ``connect_error``: no connection could be made;
 - ``disconnected``: the connection broke during the response;
 - ``timeout``: no complete answer within the request timeout;
@@ -21,6 +23,7 @@ OK = "ok"
 HTTP_ERROR = "http_error"
 STREAM_ERROR = "stream_error"
 MALFORMED = "malformed_stream"
+NO_TOKEN = "no_token"
 CONNECT_ERROR = "connect_error"
 DISCONNECTED = "disconnected"
 TIMEOUT = "timeout"
@@ -40,7 +43,10 @@ class RequestRecord:
     completion_tokens: int | None = None
     tokens_source: str = ""  # "usage" or "chunks"
     cached_tokens: int | None = None
-    text_chunks: int = 0
+    text_chunks: int = 0  # choices events with non-empty text
+    choice_events: int = 0  # events with a non-empty choices list (one per token or batch of tokens)
+    # arrival times (seconds after the run's start) of every choices event after the first
+    token_times_s: list[float] = field(default_factory=list, repr=False)
     status: str = NOT_SENT
     http_status: int | None = None
     error: str = ""

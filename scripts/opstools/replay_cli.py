@@ -44,12 +44,15 @@ example:
 
 RUN_EPILOG = """\
 outputs in --out: records.csv (one row per request), summary.json, ttft_over_time.png,
-ttft_cdf.png, in_flight.png. Exit: 0 all gates pass, 1 a gate failed, 2 error (bad
+ttft_cdf.png, in_flight.png, throughput.png. Through a front end without GET /v1/models
+(vLLM's P/D toy proxy) pass --model. Exit: 0 all gates pass, 1 a gate failed, 2 error (bad
 stream, dead endpoint, malformed event stream; records taken so far are still written),
 130 interrupted (records kept).
 
 example:
   scripts/replay run stream.jsonl --url http://127.0.0.1:8000 --gate-p90 60 --gate-p99 off
+  scripts/replay run stream.jsonl --url http://proxy:8000 --model zai-org/GLM-5.3-FP8 --nodes 5 \
+      --gate-output-tps 30 --goodput ttft:30000,tpot:100
 """
 
 REPORT_EPILOG = """\
@@ -90,6 +93,30 @@ def success_limit(text: str) -> float | None:
     return value
 
 
+def goodput_slos(text: str) -> dict[str, float]:
+    """argparse type: ``ttft:30000,tpot:50`` (milliseconds)."""
+    from .stats import GOODPUT_KEYS
+
+    slos: dict[str, float] = {}
+    for item in text.replace(" ", ",").split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition(":")
+        if not sep or key not in GOODPUT_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"expected KEY:MS with KEY one of {', '.join(GOODPUT_KEYS)}, got {item!r}")
+        try:
+            limit = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{key}: expected milliseconds, got {value!r}") from None
+        if not limit > 0:
+            raise argparse.ArgumentTypeError(f"{key}: expected milliseconds > 0, got {value!r}")
+        slos[key] = limit
+    if not slos:
+        raise argparse.ArgumentTypeError(f"no SLO in {text!r}")
+    return slos
+
+
 def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -111,6 +138,16 @@ def _add_gate_options(parser: argparse.ArgumentParser) -> None:
                         help="TTFT P99 must be below S seconds (off by default)")
     parser.add_argument("--gate-success", type=success_limit, default=gate_rules.DEFAULT_SUCCESS_PCT,
                         metavar="PCT", help="share of the stream's requests that must succeed, in percent")
+    parser.add_argument("--gate-output-tps", type=gate_limit, default=None, metavar="TOK_S",
+                        help="aggregate output tokens/s must be at least TOK_S (off by default; the "
+                             "write-up's benchmark floor is 30)")
+    parser.add_argument("--nodes", type=positive_int, default=None, metavar="N",
+                        help="nodes of the deployment: also report tokens per minute per node")
+    parser.add_argument("--goodput", type=goodput_slos, default={}, metavar="KEY:MS[,KEY:MS]",
+                        help="count requests within these SLOs, in milliseconds, keys ttft, tpot, e2el "
+                             "(as vllm bench serve --goodput), e.g. ttft:30000,tpot:50")
+    parser.add_argument("--send-lag-warn", type=positive_float, default=0.25, metavar="S",
+                        help="warn when the send lag p99 exceeds S seconds (the client fell behind)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _gates_from_args(args: argparse.Namespace) -> list[gate_rules.Gate]:
     return gate_rules.build_gates(
         p50_s=args.gate_p50, p90_s=args.gate_p90, mean_s=args.gate_mean, success_pct=args.gate_success,
-        p99_s=args.gate_p99,
+        p99_s=args.gate_p99, output_tps=args.gate_output_tps,
     )
 
 
@@ -178,7 +215,8 @@ def _judge_and_write(args: argparse.Namespace, out: Path, records: list, name: s
     from .replay_report import format_report, write_summary_json
     from .stats import summarize
 
-    summary = summarize(records, peak_observed=peak_observed)
+    summary = summarize(records, peak_observed=peak_observed, nodes=args.nodes, goodput_slo_ms=args.goodput,
+                        send_lag_warn_s=args.send_lag_warn)
     gate_results = gate_rules.evaluate(summary, _gates_from_args(args))
     passed = gate_rules.verdict(gate_results) and not context.get("aborted")
     write_summary_json(out / "summary.json", summary, gate_results, passed, context)
@@ -188,8 +226,12 @@ def _judge_and_write(args: argparse.Namespace, out: Path, records: list, name: s
         plots.plot_ttft_over_time(out / "ttft_over_time.png", records, summary, gate_results, title)
         plots.plot_ttft_cdf(out / "ttft_cdf.png", records, summary, gate_results, title)
         plots.plot_in_flight(out / "in_flight.png", records, summary, title)
+        plots.plot_throughput(out / "throughput.png", records, summary, gate_results, title)
     print(format_report(summary, gate_results, passed))
-    written = ["summary.json"] + (["ttft_over_time.png", "ttft_cdf.png", "in_flight.png"] if plotted else [])
+    if summary.send_lag_warning:
+        print(f"{TOOL}: warning: {summary.send_lag_warning}", file=sys.stderr, flush=True)
+    written = ["summary.json"] + (["ttft_over_time.png", "ttft_cdf.png", "in_flight.png", "throughput.png"]
+                                  if plotted else [])
     print(f"written: {out}/" + ", ".join(written))
     return passed, summary
 

@@ -10,7 +10,7 @@ from typing import Any
 from .common import OpsError, utc_iso
 from .gates import GateResult
 from .records import RequestRecord
-from .stats import THIRD_NAMES, Distribution, ReplaySummary
+from .stats import THIRD_NAMES, Distribution, ReplaySummary, output_rate, tpot_s
 
 CSV_COLUMNS = (
     "id",
@@ -20,14 +20,18 @@ CSV_COLUMNS = (
     "send_lag_s",
     "ttft_s",
     "e2e_s",
+    "tpot_s",
+    "output_tokens_per_s",
     "prompt_tokens",
     "completion_tokens",
     "tokens_source",
     "cached_tokens",
     "text_chunks",
+    "choice_events",
     "status",
     "http_status",
     "error",
+    "token_times_s",  # every choices event after the first, seconds after the send, ';'-separated
 )
 
 
@@ -48,14 +52,19 @@ def record_row(record: RequestRecord) -> dict[str, str]:
         "send_lag_s": record.send_lag_s,
         "ttft_s": record.ttft_s,
         "e2e_s": record.e2e_s,
+        "tpot_s": tpot_s(record),
+        "output_tokens_per_s": output_rate(record),
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
         "tokens_source": record.tokens_source,
         "cached_tokens": record.cached_tokens,
         "text_chunks": record.text_chunks,
+        "choice_events": record.choice_events,
         "status": record.status,
         "http_status": record.http_status,
         "error": record.error,
+        "token_times_s": ";".join(f"{t - record.sent_s:.4f}" for t in record.token_times_s)
+        if record.sent_s is not None else "",
     }
     return {column: _cell(values[column]) for column in CSV_COLUMNS}
 
@@ -96,15 +105,24 @@ def read_records_csv(path: Path) -> list[RequestRecord]:
             ttft = number(row, "ttft_s", line)
             e2e = number(row, "e2e_s", line)
             tokens = number(row, "completion_tokens", line)
+            prompt = number(row, "prompt_tokens", line)
+            cached = number(row, "cached_tokens", line)
+            try:
+                gaps = [float(t) for t in (row.get("token_times_s") or "").split(";") if t]
+            except ValueError:
+                raise OpsError(f"{path}:{line}: token_times_s is not a ';'-separated list of numbers") from None
             records.append(RequestRecord(
                 id=row["id"],
                 offset_s=number(row, "offset_s", line) or 0.0,
                 sent_s=sent,
                 first_token_s=None if sent is None or ttft is None else sent + ttft,
                 end_s=None if sent is None or e2e is None else sent + e2e,
+                prompt_tokens=None if prompt is None else int(prompt),
                 completion_tokens=None if tokens is None else int(tokens),
+                cached_tokens=None if cached is None else int(cached),
                 status=row["status"],
                 error=row.get("error", ""),
+                token_times_s=[sent + t for t in gaps] if sent is not None else [],
             ))
     if not records:
         raise OpsError(f"records {path}: no rows")
@@ -142,11 +160,49 @@ def _distribution_row(name: str, dist: Distribution) -> str:
     )
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _ms_row(name: str, dist: Distribution) -> str:
+    return (
+        f"  {name:<13} {dist.count:>6} {_ms(dist.p50):>8} {_ms(dist.p90):>8}"
+        f" {_ms(dist.p99):>8} {_ms(dist.mean):>8}"
+    )
+
+
+def throughput_lines(summary: ReplaySummary) -> list[str]:
+    tput = summary.throughput
+    lines = [
+        f"throughput over {tput.span_s:.1f} s (first send to last end): output {tput.output_tokens_per_s:.1f} "
+        f"tok/s ({summary.completion_tokens} tokens); {tput.tokens_per_minute / 1e6:.3f}M tokens/min "
+        f"(prompt + output)"
+        + (f", {tput.tokens_per_minute_per_node / 1e6:.3f}M per node over {tput.nodes} nodes"
+           if tput.tokens_per_minute_per_node is not None else ""),
+    ]
+    per_request = tput.output_tps_per_request
+    if per_request.count:
+        lines.append(f"output tok/s per request (tokens / e2e): p50 {per_request.p50:.1f}, "
+                     f"p90 {per_request.p90:.1f}, min {per_request.min:.1f}, mean {per_request.mean:.1f}")
+    lines.append(f"  {'ms':<13} {'n':>6} {'p50':>8} {'p90':>8} {'p99':>8} {'mean':>8}")
+    lines.append(_ms_row("TPOT", tput.tpot))
+    lines.append(_ms_row("ITL", tput.itl))
+    lines.append(_ms_row("send lag", summary.send_lag))
+    if tput.good_requests is not None:
+        slo = ", ".join(f"{k} <= {v:g} ms" for k, v in tput.goodput_slo_ms.items())
+        lines.append(f"goodput ({slo}): {tput.good_requests} of {summary.ok} ok requests, "
+                     f"{tput.goodput_per_s:.3f} req/s")
+    if summary.send_lag_warning:
+        lines.append(f"WARNING: {summary.send_lag_warning}")
+    return lines
+
+
 def format_report(summary: ReplaySummary, gate_results: Sequence[GateResult], passed: bool) -> str:
     lines = [
         f"requests: {summary.requests} in the stream, {summary.sent} sent, {summary.ok} ok "
         f"({summary.success_pct:.1f}%), {summary.failed} failed; run {summary.duration_s:.1f} s; "
         f"peak in flight {summary.peak_in_flight}",
+        f"TTFT measured: {summary.with_ttft} with TTFT / {summary.ok} ok",
     ]
     if summary.failures_by_status:
         lines.append(
@@ -158,6 +214,7 @@ def format_report(summary: ReplaySummary, gate_results: Sequence[GateResult], pa
     for name, dist in zip(THIRD_NAMES, summary.ttft_thirds):
         lines.append(_distribution_row(name, dist))
     lines.append(_distribution_row("e2e (s)", summary.e2e))
+    lines.extend(throughput_lines(summary))
     lines.append("gates:")
     lines.extend("  " + result.line() for result in gate_results)
     lines.append(f"verdict: {'PASS' if passed else 'FAIL'}")

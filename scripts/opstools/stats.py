@@ -1,39 +1,54 @@
-"""Percentiles, per-third drift view and requests in flight, from replay records.
+"""Percentiles, per-third drift view, throughput and requests in flight, from replay records.
 
-Percentiles use linear interpolation between the two nearest ranks (the
-default of numpy's ``percentile`` and of spreadsheets' ``PERCENTILE.INC``):
-for sorted values ``x[0..n-1]`` the q-th percentile sits at rank
-``(n - 1) * q / 100``.
+Percentiles come from :func:`statistics.quantiles` with ``method="inclusive"``:
+linear interpolation between the two nearest ranks (numpy's ``percentile``
+default, spreadsheets' ``PERCENTILE.INC``).
 
 Thirds: the span from the first to the last send time is cut into three equal
 windows of time; each request belongs to the window its send time falls in
 (the last window includes its end). This is the write-up's drift view: a
 backlog that keeps growing shows as a median that rises from third to third.
+
+Throughput follows ``vllm bench serve``: TPOT of a request is
+``(e2e - TTFT) / (output tokens - 1)`` (requests with one token have none),
+ITL the gaps between consecutive ``choices`` events, output tokens/s the
+output tokens of the successful requests over the run's span (first send to
+last end). Tokens per minute counts prompt and output tokens of the successful
+requests over the same span (the write-up's headline figure), per node when
+the node count is given. Goodput counts the successful requests within every
+SLO given (``ttft``, ``tpot``, ``e2el``, milliseconds, as ``vllm bench serve
+--goodput``). Send lag is how late the client sent each request against its
+offset: a p99 above a fraction of a second means the client, not the server,
+shaped the load.
 """
 from __future__ import annotations
 
-import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .records import NOT_SENT, RequestRecord
 
+SEND_LAG_WARN_S = 0.25
+GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
 THIRD_NAMES = ("first third", "second third", "last third")
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``values``, linear interpolation."""
+def percentile(values: Sequence[float], q: int) -> float:
+    """The ``q``-th percentile (whole number 0..100) of ``values``, linear interpolation."""
     if not values:
         raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile rank must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    weight = rank - low
-    return ordered[low] + (ordered[high] - ordered[low]) * weight
+    if not (isinstance(q, int) and 0 <= q <= 100):
+        raise ValueError(f"percentile rank must be a whole number in [0, 100], got {q!r}")
+    if len(values) == 1:
+        return values[0]
+    if q == 0:
+        return min(values)
+    if q == 100:
+        return max(values)
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 @dataclass(frozen=True)
@@ -116,6 +131,63 @@ def peak_in_flight(records: Sequence[RequestRecord]) -> int:
     return max((level for _, level in in_flight_steps(records)), default=0)
 
 
+def _span(records: Sequence[RequestRecord]) -> float:
+    """First send to last end of the sent requests (0 when nothing was sent)."""
+    sent = [r.sent_s for r in records if r.sent_s is not None]
+    ends = [r.end_s for r in records if r.end_s is not None]
+    if not sent or not ends:
+        return 0.0
+    return max(0.0, max(ends) - min(sent))
+
+
+def tpot_s(record: RequestRecord) -> float | None:
+    """``(e2e - TTFT) / (tokens - 1)``; None for one token or less, or without TTFT."""
+    if record.ttft_s is None or record.e2e_s is None or not record.completion_tokens:
+        return None
+    if record.completion_tokens <= 1:
+        return None
+    return (record.e2e_s - record.ttft_s) / (record.completion_tokens - 1)
+
+
+def inter_token_latencies(record: RequestRecord) -> list[float]:
+    if record.first_token_s is None:
+        return []
+    times = [record.first_token_s, *record.token_times_s]
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def output_rate(record: RequestRecord) -> float | None:
+    """Output tokens per second of one request: its tokens over its end-to-end time."""
+    if record.e2e_s is None or record.e2e_s <= 0 or record.completion_tokens is None:
+        return None
+    return record.completion_tokens / record.e2e_s
+
+
+def is_good(record: RequestRecord, slo_ms: dict[str, float]) -> bool:
+    """Within every SLO (``vllm bench serve --goodput``: a one-token request has TPOT 0)."""
+    values = {"ttft": record.ttft_s, "tpot": tpot_s(record) or 0.0, "e2el": record.e2e_s}
+    for key, limit_ms in slo_ms.items():
+        value = values[key]
+        if value is None or value > limit_ms / 1000.0:
+            return False
+    return True
+
+
+@dataclass
+class Throughput:
+    span_s: float
+    output_tokens_per_s: float
+    tokens_per_minute: float
+    nodes: int | None
+    tokens_per_minute_per_node: float | None
+    output_tps_per_request: Distribution
+    tpot: Distribution
+    itl: Distribution
+    goodput_slo_ms: dict[str, float]
+    good_requests: int | None
+    goodput_per_s: float | None
+
+
 @dataclass
 class ReplaySummary:
     requests: int
@@ -131,18 +203,32 @@ class ReplaySummary:
     e2e: Distribution
     prompt_tokens: int
     completion_tokens: int
+    throughput: Throughput
+    send_lag: Distribution
+    send_lag_warning: str | None = None
     failures_by_status: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def with_ttft(self) -> int:
+        return self.ttft.count
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["ttft_thirds"] = {name: asdict(d) for name, d in zip(THIRD_NAMES, self.ttft_thirds)}
+        data["with_ttft"] = self.with_ttft
         return data
 
 
-def summarize(records: Sequence[RequestRecord], peak_observed: int | None = None) -> ReplaySummary:
+def summarize(
+    records: Sequence[RequestRecord],
+    peak_observed: int | None = None,
+    nodes: int | None = None,
+    goodput_slo_ms: dict[str, float] | None = None,
+    send_lag_warn_s: float = SEND_LAG_WARN_S,
+) -> ReplaySummary:
     """Summary over every request of the stream (not-sent ones count as failures).
 
-    TTFT and end-to-end figures use the successful requests only.
+    TTFT, end-to-end and throughput figures use the successful requests only.
     """
     ok_records = [r for r in records if r.ok]
     sent = [r for r in records if r.status != NOT_SENT]
@@ -159,6 +245,31 @@ def summarize(records: Sequence[RequestRecord], peak_observed: int | None = None
     peak = peak_in_flight(records)
     if peak_observed is not None:
         peak = max(peak, peak_observed)
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in ok_records)
+    completion_tokens = sum(r.completion_tokens or 0 for r in ok_records)
+    span = _span(ok_records)
+    slo = dict(goodput_slo_ms or {})
+    good = sum(is_good(r, slo) for r in ok_records) if slo else None
+    tokens_per_minute = (prompt_tokens + completion_tokens) / span * 60.0 if span > 0 else 0.0
+    throughput = Throughput(
+        span_s=span,
+        output_tokens_per_s=completion_tokens / span if span > 0 else 0.0,
+        tokens_per_minute=tokens_per_minute,
+        nodes=nodes,
+        tokens_per_minute_per_node=tokens_per_minute / nodes if nodes else None,
+        output_tps_per_request=Distribution.of(v for r in ok_records if (v := output_rate(r)) is not None),
+        tpot=Distribution.of(v for r in ok_records if (v := tpot_s(r)) is not None),
+        itl=Distribution.of(gap for r in ok_records for gap in inter_token_latencies(r)),
+        goodput_slo_ms=slo,
+        good_requests=good,
+        goodput_per_s=(good / span if span > 0 else 0.0) if good is not None else None,
+    )
+    lag = Distribution.of(v for r in sent if (v := r.send_lag_s) is not None)
+    warning = None
+    if lag.p99 is not None and lag.p99 > send_lag_warn_s:
+        warning = (f"the client fell behind: send lag p99 {lag.p99:.3f} s (max {lag.max:.3f} s) > "
+                   f"{send_lag_warn_s:g} s; the load was shaped by this client, not only by the stream "
+                   "(run the replay on a less busy machine, or split the stream)")
     return ReplaySummary(
         requests=len(records),
         sent=len(sent),
@@ -171,7 +282,10 @@ def summarize(records: Sequence[RequestRecord], peak_observed: int | None = None
         ttft=Distribution.of(r.ttft_s for r in ok_records if r.ttft_s is not None),
         ttft_thirds=thirds,
         e2e=Distribution.of(r.e2e_s for r in ok_records if r.e2e_s is not None),
-        prompt_tokens=sum(r.prompt_tokens or 0 for r in ok_records),
-        completion_tokens=sum(r.completion_tokens or 0 for r in ok_records),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        throughput=throughput,
+        send_lag=lag,
+        send_lag_warning=warning,
         failures_by_status=failures,
     )

@@ -39,7 +39,8 @@ class TokenizerClient:
         except TimeoutError:
             raise OpsError(f"{self.url}: no answer within {self.timeout_s:g} s") from None
         if status == 404:
-            raise OpsError(f"{self.url}: HTTP 404; the server has no /tokenize endpoint (vLLM serves one)")
+            raise OpsError(f"{self.url}: HTTP 404; the server has no /tokenize endpoint (vLLM serves one; "
+                           "through a front end such as the P/D proxy pass --engine-url of an engine)")
         if status != 200:
             raise OpsError(f"{self.url}: HTTP {status}: {raw[:300]}")
         try:

@@ -1,26 +1,38 @@
 """A stand-in for a vLLM engine's HTTP API, for the operator tools' tests and demos.
 
-Serves ``/v1/completions`` (streaming only), ``/v1/models``, ``/health``,
-``/tokenize``, ``/start_profile``, ``/stop_profile`` and
-``/reset_prefix_cache`` on 127.0.0.1, from a background thread.
+Serves ``/v1/completions``, ``/v1/models``, ``/health``, ``/tokenize``,
+``/metrics``, ``/start_profile``, ``/stop_profile`` and ``/reset_prefix_cache``
+on 127.0.0.1, from a background thread.
 
 How a completion behaves:
 
 - A prompt that starts with ``@plan key=value ...`` on its first line follows
-  that plan (tests): ``ttft`` seconds to the first text chunk, ``chunks`` text
-  chunks ``gap`` seconds apart, ``status`` (HTTP status), ``empty`` empty-text
-  chunks sent at once before the first text, ``usage`` (0: no usage event),
-  ``tokens`` (completion_tokens reported in usage), ``malformed``
-  (``notjson``, ``nodone``, ``nochoices`` or ``json``: a plain JSON body),
-  ``error`` (1: an error event instead of text), ``close`` (1: drop the
-  connection after the first chunk).
+  that plan (tests): ``ttft`` seconds to the first token, ``chunks`` text
+  chunks ``gap`` seconds apart, ``status`` (HTTP status), ``empty`` choices
+  events with empty text sent at ``ttft``, ``gap`` seconds before the first text
+  (a token that detokenizes to ""), ``usage`` (0: no usage event), ``tokens``
+  (completion_tokens reported in usage), ``malformed`` (``notjson``,
+  ``nodone``, ``nochoices`` or ``json``: a plain JSON body), ``error`` (1: an
+  error event instead of text), ``close`` (1: drop the connection after the
+  first chunk), ``ctype`` (``json``: stream with Content-Type
+  ``application/json``, as vLLM's P/D toy proxy relays streams).
 - Any other prompt is served by a simulated prefill engine: one prefill at a
   time (FIFO), ``prefill_rate`` tokens/s for tokens not in its cache and
-  ``load_rate`` tokens/s for cached ones (a prefix cache of 256-token chunks,
-  tokens being whitespace-separated words), then one chunk per output token
-  every ``decode_gap`` seconds. A prompt containing a needle
+  ``load_rate`` tokens/s for cached ones (a KV-connector cache of 256-token
+  chunks of the fake tokenizer's tokens; ``cache_serves=False``
+  makes every lookup miss, like a wrong ``remote_url``), then one chunk per
+  output token every ``decode_gap`` seconds. A prompt containing a needle
   (``secret code is XXXX-XXXX``) is answered with the code (or a wrong one when
-  ``needle_answer='wrong'``).
+  ``needle_answer='wrong'``). The connector's hits are counted on ``/metrics``
+  under vLLM 0.31.0's names (``vllm:external_prefix_cache_hits_total``,
+  ``..._queries_total``), and reported as ``usage.prompt_tokens_details.
+  cached_tokens`` unless ``report_cached_tokens`` is off (vLLM without
+  ``--enable-prompt-tokens-details``).
+- ``stream: false`` (the P/D proxy's prefill call) gets one JSON completion with
+  ``kv_transfer_params``; a request carrying ``kv_transfer_params`` with
+  ``do_remote_prefill`` (the proxy's decode call) is not prefilled: all its
+  prompt tokens count as external hits, as NIXL's transfer does on a decode
+  engine. So two fake engines behind vLLM's toy proxy act as a P/D cell.
 
 Run it alone for a demo: ``python -m tests.ops.fake_engine --port 8000``.
 """
@@ -43,9 +55,16 @@ NEEDLE = re.compile(r"secret code is ([A-Z0-9]{4}-[A-Z0-9]{4})")
 TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
-def fake_token_count(text: str) -> int:
+def fake_tokens(text: str) -> list[str]:
     """The fake tokenizer: BOS + one token per word or punctuation mark, two for words over 7 characters."""
-    return 1 + sum(2 if len(t) > 7 else 1 for t in TOKEN.findall(text))
+    tokens = ["<bos>"]
+    for piece in TOKEN.findall(text):
+        tokens.extend((piece, piece + "##") if len(piece) > 7 else (piece,))
+    return tokens
+
+
+def fake_token_count(text: str) -> int:
+    return len(fake_tokens(text))
 
 
 @dataclass
@@ -60,6 +79,7 @@ class Plan:
     malformed: str = ""
     error: int = 0
     close: int = 0
+    ctype: str = ""
 
 
 def parse_plan(prompt: str) -> Plan | None:
@@ -70,7 +90,7 @@ def parse_plan(prompt: str) -> Plan | None:
     for item in first_line.split()[1:]:
         key, _, value = item.partition("=")
         current = getattr(plan, key)
-        if key == "malformed":
+        if key in ("malformed", "ctype"):
             setattr(plan, key, value)
         elif isinstance(current, float):
             setattr(plan, key, float(value))
@@ -94,10 +114,16 @@ class FakeEngine:
     model: str = "fake-glm"
     needle_answer: str = "correct"
     profiling_enabled: bool = True
+    cache_serves: bool = True
+    report_cached_tokens: bool = True
+    metrics_enabled: bool = True
+    stream_content_type: str = "text/event-stream"
     port: int = 0
     arrivals: list[Arrival] = field(default_factory=list)
     profile_calls: list[tuple[str, float]] = field(default_factory=list)
     tokenize_calls: int = 0
+    external_hits: int = 0
+    external_queries: int = 0
 
     def __post_init__(self) -> None:
         self._cache: set[bytes] = set()
@@ -155,6 +181,7 @@ class FakeEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/start_profile", self._profile)
         app.router.add_post("/stop_profile", self._profile)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
@@ -179,6 +206,22 @@ class FakeEngine:
         self.tokenize_calls += 1
         count = fake_token_count(body["prompt"])
         return web.json_response({"count": count, "max_model_len": 262_144, "tokens": list(range(count))})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if not self.metrics_enabled:
+            return web.Response(status=404, text="Not Found")
+        labels = f'engine="0",model_name="{self.model}"'
+        text = (
+            "# HELP vllm:external_prefix_cache_queries_total External prefix cache queries from KV connector\n"
+            "# TYPE vllm:external_prefix_cache_queries_total counter\n"
+            f"vllm:external_prefix_cache_queries_total{{{labels}}} {float(self.external_queries)}\n"
+            "# HELP vllm:external_prefix_cache_hits_total External prefix cache hits from KV connector\n"
+            "# TYPE vllm:external_prefix_cache_hits_total counter\n"
+            f"vllm:external_prefix_cache_hits_total{{{labels}}} {float(self.external_hits)}\n"
+            "# TYPE vllm:prefix_cache_hits_total counter\n"
+            f"vllm:prefix_cache_hits_total{{{labels}}} 0.0\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
 
     async def _profile(self, request: web.Request) -> web.Response:
         if not self.profiling_enabled:
@@ -214,8 +257,9 @@ class FakeEngine:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return f"data: {json.dumps({'id': 'cmpl-fake', 'choices': [], 'usage': usage})}\n\n".encode()
 
-    async def _open_stream(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+    async def _open_stream(self, request: web.Request, content_type: str = "") -> web.StreamResponse:
+        response = web.StreamResponse(status=200,
+                                      headers={"Content-Type": content_type or self.stream_content_type})
         await response.prepare(request)
         return response
 
@@ -228,10 +272,12 @@ class FakeEngine:
         if plan.malformed == "json":
             await asyncio.sleep(plan.ttft)
             return web.json_response({"choices": [{"text": "not streamed"}]})
-        response = await self._open_stream(request)
+        response = await self._open_stream(request, "application/json" if plan.ctype == "json" else "")
+        await asyncio.sleep(max(0.0, arrived + plan.ttft - time.monotonic()))
         for _ in range(plan.empty):
             await response.write(self._chunk(""))
-        await asyncio.sleep(max(0.0, arrived + plan.ttft - time.monotonic()))
+        if plan.empty:
+            await asyncio.sleep(plan.gap)
         if plan.malformed == "notjson":
             await response.write(b"data: {this is not json\n\n")
             await response.write_eof()
@@ -273,20 +319,26 @@ class FakeEngine:
 
     async def _simulated(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         prompt = body.get("prompt")
-        tokens = [str(t) for t in prompt] if isinstance(prompt, list) else str(prompt).split()
+        tokens = [str(t) for t in prompt] if isinstance(prompt, list) else fake_tokens(str(prompt))
         hashes = self._chunk_hashes(tokens)
         max_tokens = int(body.get("max_tokens") or 16)
-        assert self._prefill_lock is not None
-        async with self._prefill_lock:
-            cached_chunks = 0
-            for digest in hashes:
-                if digest not in self._cache:
-                    break
-                cached_chunks += 1
-            cached = cached_chunks * CHUNK_TOKENS
-            await asyncio.sleep((len(tokens) - cached) / self.prefill_rate + cached / self.load_rate)
-            self._cache.update(hashes)
-        response = await self._open_stream(request)
+        transfer = body.get("kv_transfer_params") or {}
+        self.external_queries += len(tokens)
+        if transfer.get("do_remote_prefill"):
+            cached = len(tokens)  # the decode side: NIXL brought the whole prompt's KV
+            await asyncio.sleep(cached / self.load_rate)
+        else:
+            assert self._prefill_lock is not None
+            async with self._prefill_lock:
+                cached_chunks = 0
+                for digest in hashes if self.cache_serves else []:
+                    if digest not in self._cache:
+                        break
+                    cached_chunks += 1
+                cached = cached_chunks * CHUNK_TOKENS
+                await asyncio.sleep((len(tokens) - cached) / self.prefill_rate + cached / self.load_rate)
+                self._cache.update(hashes)
+        self.external_hits += cached
         text = prompt if isinstance(prompt, str) else ""
         needle = NEEDLE.search(text)
         if needle is not None:
@@ -294,12 +346,28 @@ class FakeEngine:
             pieces = [f" {answer}", "."]
         else:
             pieces = [f" w{i}" for i in range(min(max_tokens, 64))]
+        reported_cached = cached if self.report_cached_tokens else None
+        if not body.get("stream"):
+            pieces = pieces[:max_tokens]
+            usage: dict[str, Any] = {"prompt_tokens": len(tokens), "completion_tokens": len(pieces),
+                                     "total_tokens": len(tokens) + len(pieces)}
+            if reported_cached is not None:
+                usage["prompt_tokens_details"] = {"cached_tokens": reported_cached}
+            return web.json_response({
+                "id": "cmpl-fake", "object": "text_completion", "model": self.model,
+                "choices": [{"index": 0, "text": "".join(pieces), "finish_reason": "length"}],
+                "usage": usage,
+                "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                       "remote_engine_id": f"fake-{self.port}", "remote_block_ids": [],
+                                       "remote_host": "127.0.0.1", "remote_port": self.port},
+            })
+        response = await self._open_stream(request)
         for i, piece in enumerate(pieces):
             if i:
                 await asyncio.sleep(self.decode_gap)
             await response.write(self._chunk(piece, "length" if i == len(pieces) - 1 else None))
         if (body.get("stream_options") or {}).get("include_usage"):
-            await response.write(self._usage(len(tokens) + 1, len(pieces), cached))
+            await response.write(self._usage(len(tokens), len(pieces), reported_cached))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -1,4 +1,4 @@
-"""The four entry scripts: executable, help with an example, clear error without dependencies."""
+"""The entry scripts: executable, help with an example, clear error without dependencies."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-TOOLS = ["replay", "valkey-stats", "needle", "profile-capture"]
+TOOLS = ["replay", "valkey-stats", "needle", "profile-capture", "cellsim"]
 
 
 @pytest.mark.parametrize("tool", TOOLS)

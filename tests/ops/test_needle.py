@@ -138,6 +138,8 @@ def test_phases_without_restart_find_every_code(engine, tmp_path, capsys):
     for length in ("2000", "9000"):
         assert cold[length]["cached_tokens"] == again[length]["cached_tokens"] == "0"  # the salt made them cold
         assert int(l1[length]["cached_tokens"]) > 0
+        assert l1[length]["served_from_cache"] == "yes"
+        assert int(l1[length]["connector_hits"]) >= int(length) - 256  # from the engine's /metrics
         assert again[length]["salt"] == cold[length]["salt"].replace("-first", "-again")
     assert ("/reset_prefix_cache" in [path for path, _ in engine.profile_calls])
     assert "6 of 6 answers found" in capsys.readouterr().out
@@ -192,3 +194,65 @@ def test_bad_phase_and_length_values(tmp_path, capsys):
     assert "unknown ['warm']" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         needle_cli.main(["--url", "http://127.0.0.1:1", "--lengths", "12k"])
+
+
+def test_a_cached_phase_the_cache_did_not_serve_fails_naming_the_counter(engine, tmp_path, capsys):
+    engine.cache_serves = False  # every lookup misses, like a wrong remote_url: l1 recomputes and finds the code
+    out = tmp_path / "out"
+    code = needle_cli.main(["--url", engine.url, "--lengths", "3000", "--skip-restart", "--out", str(out)])
+    assert code == 1
+    rows = {r["phase"]: r for r in results(out)}
+    assert rows["l1"]["found"] == "yes" and rows["l1"]["served_from_cache"] == "no"
+    assert rows["l1"]["connector_hits"] == "0"
+    assert "the KV connector served 0 of 3000 tokens" in rows["l1"]["evidence"]
+    assert rows["cold"]["served_from_cache"] == ""  # cold phases are not judged by the cache
+    assert "1 cached-phase answer(s) not served from cache: 3000/l1" in capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["passed"] is False and list(summary["not_served_from_cache"]) == ["3000/l1"]
+
+
+def test_without_counter_or_cached_tokens_the_phase_fails_naming_both(engine, tmp_path, capsys):
+    engine.metrics_enabled = False
+    engine.report_cached_tokens = False  # vLLM without --enable-prompt-tokens-details
+    out = tmp_path / "out"
+    code = needle_cli.main(["--url", engine.url, "--lengths", "3000", "--phases", "cold,l1", "--out", str(out)])
+    assert code == 1
+    evidence = {r["phase"]: r for r in results(out)}["l1"]["evidence"]
+    assert "--enable-prompt-tokens-details" in evidence
+    assert "serves no vllm:external_prefix_cache_hits counter" in evidence
+    assert "judged by the answers' usage cached_tokens" in capsys.readouterr().err
+
+
+def test_without_the_counter_usage_cached_tokens_is_the_evidence(engine, tmp_path):
+    engine.metrics_enabled = False
+    out = tmp_path / "out"
+    code = needle_cli.main(["--url", engine.url, "--lengths", "3000", "--phases", "cold,l1", "--out", str(out)])
+    assert code == 0
+    l1 = {r["phase"]: r for r in results(out)}["l1"]
+    assert l1["served_from_cache"] == "yes" and l1["connector_hits"] == ""
+    assert l1["evidence"].startswith("usage reports 2816 of 3000 tokens cached")  # 11 whole chunks of 256
+
+
+def test_an_explicit_metrics_url_without_the_counter_is_an_error(engine, tmp_path, capsys):
+    engine.metrics_enabled = False
+    code = needle_cli.main(["--url", engine.url, "--lengths", "3000", "--metrics-url", engine.url,
+                            "--phases", "cold", "--out", str(tmp_path)])
+    assert code == 2
+    assert f"no vllm:external_prefix_cache_hits counter at {engine.url}/metrics" in capsys.readouterr().err
+
+
+def test_the_counter_is_read_from_vllm_prometheus_text():
+    from opstools.cache_evidence import counter_total, metrics_url
+
+    text = (
+        "# HELP vllm:external_prefix_cache_hits_total External prefix cache hits from KV connector\n"
+        "# TYPE vllm:external_prefix_cache_hits_total counter\n"
+        'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 12800.0\n'
+        'vllm:external_prefix_cache_hits_total{engine="1",model_name="m"} 256.0\n'
+        'vllm:external_prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9\n'
+        'vllm:external_prefix_cache_queries_total{engine="0",model_name="m"} 99999.0\n'
+    )
+    assert counter_total(text, "vllm:external_prefix_cache_hits") == 13056.0
+    assert counter_total(text, "vllm:prefix_cache_hits") is None
+    assert metrics_url("http://p:8000") == metrics_url("http://p:8000/") == "http://p:8000/metrics"
+    assert metrics_url("http://p:9090/custom") == "http://p:9090/custom"

@@ -70,19 +70,44 @@ def test_open_loop_keeps_send_times_under_a_slow_server(tmp_path, engine):
         assert float(row["ttft_s"]) >= 1.9
 
 
-def test_ttft_is_taken_at_the_first_chunk_with_text(tmp_path, engine):
+def test_ttft_is_taken_at_the_first_choices_event_even_without_text(tmp_path, engine):
+    # two empty-text choices events at 1.2 s (tokens that detokenize to ""), the first text 1.0 s later
     requests = [
-        ("slow-first", 0.0, "empty=3 ttft=1.2 chunks=3 gap=0.5"),
+        ("empty-first", 0.0, "empty=2 ttft=1.2 chunks=3 gap=1.0"),
         ("fast", 0.0, "ttft=0.05 chunks=1"),
     ]
     code, out = run_replay(tmp_path, engine.url, requests)
     assert code == 0
     rows = read_rows(out)
-    slow_ttft, slow_e2e = float(rows["slow-first"]["ttft_s"]), float(rows["slow-first"]["e2e_s"])
-    assert 1.1 <= slow_ttft < 3.0  # not the empty chunks sent at once
-    assert slow_e2e - slow_ttft >= 0.9  # two more chunks 0.5 s apart came after it
-    assert float(rows["fast"]["ttft_s"]) < slow_ttft - 0.5
-    assert rows["slow-first"]["text_chunks"] == "3"
+    ttft, e2e = float(rows["empty-first"]["ttft_s"]), float(rows["empty-first"]["e2e_s"])
+    assert 1.1 <= ttft < 2.0  # the first text came at 2.2 s: not where TTFT is taken
+    assert e2e - ttft >= 2.9  # gap, then two more 1.0 s gaps after the first event
+    assert float(rows["fast"]["ttft_s"]) < ttft - 0.5
+    assert (rows["empty-first"]["text_chunks"], rows["empty-first"]["choice_events"]) == ("3", "5")
+    assert len(rows["empty-first"]["token_times_s"].split(";")) == 4  # every choices event after the first
+
+
+def test_a_stream_without_any_choices_event_is_a_failure(tmp_path, engine, capsys):
+    requests = [("ok", 0.0, "chunks=2"), ("tokenless", 0.1, "chunks=0")]
+    code, out = run_replay(tmp_path, engine.url, requests)
+    rows = read_rows(out)
+    assert rows["tokenless"]["status"] == "no_token" and rows["tokenless"]["ttft_s"] == ""
+    assert code == 1  # the success gate
+    assert "without any 'choices' event" in rows["tokenless"]["error"]
+    printed = capsys.readouterr().out
+    assert "TTFT measured: 1 with TTFT / 1 ok" in printed
+    assert "failures: no_token 1" in printed
+
+
+def test_a_stream_with_a_json_content_type_is_read_as_sse_with_one_warning(tmp_path, engine, capsys):
+    requests = [(f"r{i}", 0.05 * i, "ctype=json ttft=0.1 chunks=3") for i in range(4)]
+    code, out = run_replay(tmp_path, engine.url, requests)
+    assert code == 0
+    rows = read_rows(out)
+    assert {row["status"] for row in rows.values()} == {"ok"}
+    assert {row["completion_tokens"] for row in rows.values()} == {"3"}
+    err = capsys.readouterr().err
+    assert err.count("Content-Type 'application/json', not text/event-stream") == 1
 
 
 def test_tokens_come_from_usage_else_from_counted_chunks(tmp_path, engine):
@@ -191,7 +216,7 @@ def _one(engine_url: str, plan: str, timeout_s: float = 20.0) -> RequestRecord:
         ("malformed=notjson", "malformed_stream", "event is not JSON"),
         ("malformed=nodone", "malformed_stream", "without 'data: [DONE]'"),
         ("malformed=nochoices", "malformed_stream", "neither 'choices' nor 'error'"),
-        ("malformed=json", "malformed_stream", "expected Content-Type text/event-stream"),
+        ("malformed=json", "malformed_stream", "holds no 'data:' event (Content-Type 'application/json"),
         ("error=1", "stream_error", "planned engine error"),
         ("status=503", "http_error", "HTTP 503"),
         ("close=1 chunks=3", "disconnected", "connection broke"),
@@ -269,3 +294,32 @@ def test_ctrl_c_stops_the_replay_and_keeps_the_records(tmp_path, engine):
     assert "stopped by SIGINT" in err
     rows = read_rows(out)
     assert [rows[i]["status"] for i in ("quick", "slow", "later")] == ["ok", "aborted", "not_sent"]
+
+
+def test_throughput_tpot_itl_and_goodput_are_reported_and_survive_a_rejudge(tmp_path, engine, capsys):
+    requests = [(f"r{i}", 0.1 * i, "ttft=0.2 chunks=5 gap=0.1") for i in range(4)]
+    code, out = run_replay(tmp_path, engine.url, requests, "--nodes", "4", "--goodput", "ttft:5000,tpot:1000",
+                           "--gate-output-tps", "1", plots=True)
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "M tokens/min (prompt + output)" in printed and "per node over 4 nodes" in printed
+    assert "goodput (ttft <= 5000 ms, tpot <= 1000 ms): 4 of 4 ok requests" in printed
+    assert "pass  output >= 1 tok/s" in printed
+    summary = json.loads((out / "summary.json").read_text())["summary"]
+    itl = summary["throughput"]["itl"]
+    assert itl["count"] == 16 and 0.08 <= itl["p50"] < 0.5  # 4 gaps of 0.1 s per request
+    assert 0.08 <= summary["throughput"]["tpot"]["p50"] < 0.5
+    assert (out / "throughput.png").read_bytes().startswith(PNG_MAGIC)
+    rejudged = tmp_path / "rejudged"
+    assert replay_cli.main(["report", str(out / "records.csv"), "--no-plots", "--gate-output-tps", "1000",
+                            "--out", str(rejudged)]) == 1
+    again = json.loads((rejudged / "summary.json").read_text())["summary"]["throughput"]
+    assert again["itl"]["count"] == 16 and again["itl"]["p50"] == pytest.approx(itl["p50"], abs=1e-3)
+    assert again["tokens_per_minute"] == pytest.approx(summary["throughput"]["tokens_per_minute"], rel=1e-3)
+    assert "FAIL  output >= 1000 tok/s" in capsys.readouterr().out
+
+
+def test_bad_goodput_slo_is_an_argument_error(tmp_path, engine, capsys):
+    with pytest.raises(SystemExit):
+        run_replay(tmp_path, engine.url, [("r", 0.0, "chunks=1")], "--goodput", "ttfb:10")
+    assert "KEY one of ttft, tpot, e2el" in capsys.readouterr().err

@@ -125,3 +125,64 @@ def test_a_latency_gate_without_data_fails_and_gates_can_be_off():
 
 def test_distribution_of_nothing_is_empty():
     assert Distribution.of([]) == Distribution(count=0)
+
+
+def streamed(rid: str, sent: float, ttft: float, gaps: list[float], tokens: int, prompt: int = 1000,
+             status: str = "ok") -> RequestRecord:
+    r = RequestRecord(id=rid, offset_s=sent, sent_s=sent, status=status, prompt_tokens=prompt,
+                      completion_tokens=tokens)
+    r.first_token_s = sent + ttft
+    t = r.first_token_s
+    for gap in gaps:
+        t += gap
+        r.token_times_s.append(t)
+    r.end_s = t
+    return r
+
+
+def test_throughput_metrics_on_known_data():
+    # a: TTFT 1 s then 4 tokens 0.1 s apart (5 tokens); b: TTFT 2 s, 3 tokens 0.5 s apart; c: failed
+    records = [streamed("a", 0.0, 1.0, [0.1] * 4, 5), streamed("b", 1.0, 2.0, [0.5, 0.5], 3),
+               streamed("c", 2.0, 9.0, [0.1], 2, status="http_error")]
+    summary = summarize(records, nodes=2, goodput_slo_ms={"ttft": 1500, "tpot": 200})
+    tput = summary.throughput
+    assert tput.span_s == pytest.approx(4.0)  # first send 0, last end of an ok request 1 + 2 + 1
+    assert tput.output_tokens_per_s == pytest.approx(8 / 4.0)
+    assert tput.tokens_per_minute == pytest.approx((2000 + 8) / 4.0 * 60)
+    assert tput.tokens_per_minute_per_node == pytest.approx(tput.tokens_per_minute / 2)
+    assert tput.tpot.count == 2 and tput.tpot.min == pytest.approx(0.1) and tput.tpot.max == pytest.approx(0.5)
+    assert tput.itl.count == 6 and tput.itl.p50 == pytest.approx(0.1)
+    assert tput.output_tps_per_request.max == pytest.approx(5 / 1.4)
+    assert tput.good_requests == 1 and tput.goodput_per_s == pytest.approx(1 / 4.0)  # b misses TTFT 1.5 s
+
+
+def test_a_one_token_request_has_no_tpot_but_counts_as_good():
+    records = [streamed("one", 0.0, 0.5, [], 1)]
+    summary = summarize(records, goodput_slo_ms={"tpot": 1})
+    assert summary.throughput.tpot.count == 0 and summary.throughput.itl.count == 0
+    assert summary.throughput.good_requests == 1  # vllm bench serve: TPOT 0 for one token
+
+
+def test_send_lag_warns_when_the_client_fell_behind():
+    on_time = [streamed(f"r{i}", float(i), 0.1, [], 1) for i in range(10)]
+    assert summarize(on_time).send_lag_warning is None
+    late = [streamed(f"r{i}", float(i), 0.1, [], 1) for i in range(10)]
+    for i, record in enumerate(late):
+        record.offset_s = record.sent_s - 0.05 * i  # 0 .. 0.45 s late
+    summary = summarize(late)
+    assert summary.send_lag.max == pytest.approx(0.45)
+    assert summary.send_lag_warning is not None and "the client fell behind" in summary.send_lag_warning
+    assert summarize(late, send_lag_warn_s=1.0).send_lag_warning is None
+
+
+def test_output_throughput_gate_is_a_floor():
+    records = [streamed("a", 0.0, 1.0, [0.1] * 4, 5)]  # 5 tokens over 1.4 s
+    summary = summarize(records)
+    rate = summary.throughput.output_tokens_per_s
+    assert rate == pytest.approx(5 / 1.4)
+    assert verdict(summary, output_tps=rate - 0.01)[0] is True
+    assert verdict(summary, output_tps=rate)[0] is True  # at its limit: passes
+    ok, results = verdict(summary, output_tps=rate + 0.01)
+    assert ok is False and results[0].line().startswith("FAIL  output >= ")
+    nothing = summarize([streamed("x", 0.0, 1.0, [], 1, status="http_error")])
+    assert verdict(nothing, output_tps=0.001)[0] is False  # no successful request: no data, fails
