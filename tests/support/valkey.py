@@ -51,9 +51,10 @@ class ValkeyServer:
                 self.process.wait()
 
 
-def start_valkey(workdir: Path, extra_args: list[str] | None = None, timeout_s: float = 10.0) -> ValkeyServer:
-    """Start valkey-server on a free loopback port, without persistence."""
-    port = free_loopback_port()
+def start_valkey(workdir: Path, extra_args: list[str] | None = None, timeout_s: float = 10.0,
+                 port: int | None = None) -> ValkeyServer:
+    """Start valkey-server on a free loopback port (or ``port``), without persistence."""
+    port = port or free_loopback_port()
     extra = list(extra_args or [])
     log_path = workdir / f"valkey-{port}.log"
     args = [

