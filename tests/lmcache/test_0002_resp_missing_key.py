@@ -143,7 +143,7 @@ def assert_serves(client: NativeClient, key: str, size: int, seed: int) -> None:
     assert client.exists([key, key + ":absent"]) == [True, False]
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"TimeoutError: no completion within")
 def test_key_deleted_between_exists_and_get_is_a_miss_on_the_same_connection(server, native):
     client = native(num_workers=1)
     data = payload(CHUNK_BYTES, 1)
@@ -165,7 +165,7 @@ def test_key_deleted_between_exists_and_get_is_a_miss_on_the_same_connection(ser
     assert native_connection_ids(server) == [conn_id]
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"TimeoutError: no completion within")
 def test_batch_get_of_hit_miss_hit_gives_per_key_results(server, native):
     client = native(num_workers=1)
     stored = {key: payload(CHUNK_BYTES, seed) for seed, key in enumerate(["a", "c"])}
@@ -201,7 +201,11 @@ def _size_param(digits: int):
         # it whole, reports a mismatch (a miss) and stays in step. A plain
         # regression test: it passes on both trees.
         return pytest.param(size, id=f"{digits}-digits")
-    return pytest.param(size, id=f"{digits}-digits", marks=pytest.mark.fixes(PATCH))
+    # Pristine: a one-digit header ("$7\r\n") is shorter than "$-1\r\n", so
+    # the miss leaves the connection out of step and the next SET reads the
+    # wrong reply; wider headers make the GET wait for bytes that never come.
+    reason = r"AssertionError: SET: response was not OK" if digits == 1 else r"TimeoutError: no completion within"
+    return pytest.param(size, id=f"{digits}-digits", marks=pytest.mark.fixes(PATCH, fails_with=reason))
 
 
 @pytest.mark.parametrize("size", [_size_param(d) for d in sorted(SIZES_BY_DIGITS)])
@@ -239,7 +243,7 @@ def _store_longer_value(server, key):
     server.set(key, b"l" * (EXPECTED_BYTES * 10 + 3))  # "$40963\r\n": wider
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: SET: response was not OK")
 @pytest.mark.parametrize(
     "store",
     [_store_wrong_type, _store_shorter_value, _store_longer_value],
@@ -262,7 +266,7 @@ def test_get_reply_that_does_not_parse_reconnects_and_keeps_serving(server, nati
     assert new_ids != [old_id], "the out-of-step connection was kept"
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"assert 'OOM' in 'SET: response was not OK'")
 def test_set_error_reply_reconnects_and_keeps_serving(server, native):
     client = native(num_workers=1)
     assert_serves(client, "good", EXPECTED_BYTES, 1)
@@ -279,7 +283,7 @@ def test_set_error_reply_reconnects_and_keeps_serving(server, native):
     assert len(native_connection_ids(server)) == 1
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: socket writev failed")
 def test_connection_closed_by_server_is_reopened(server, native):
     client = native(num_workers=1)
     assert_serves(client, "good", EXPECTED_BYTES, 1)

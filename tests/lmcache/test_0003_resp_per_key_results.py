@@ -1,4 +1,6 @@
-"""Proof of 0003-resp-connector-honour-per-key-get-results.patch.
+"""Proofs of 0003-resp-connector-honour-per-key-get-results.patch and of the
+patch after it, 0004-resp-connector-finish-gets-whose-caller-timed-out.patch
+(the GETs whose caller timed out: ``TIMEOUT_PATCH``).
 
 LMCache's remote backend with its RESP connector (``resp://``: RESPConnector
 over the native RESPClient) against a real Valkey server, through the same
@@ -14,7 +16,9 @@ a leaked buffer leaves it above, a double free below.
 On the pristine tree these fail within bounded time: a GET of a missing key
 never completes there (the remote backend times out after
 ``blocking_timeout_secs`` and leaks the buffers), and a batch GET reports
-every buffer as loaded KV.
+every buffer as loaded KV. Without TIMEOUT_PATCH a caller's timeout leaks
+the GET's buffers and kills one of the connector's executor workers, and a
+GET that finishes just as its caller times out leaks its buffers.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import time
 import pytest
 
 PATCH = "0003-resp-connector-honour-per-key-get-results.patch"
+TIMEOUT_PATCH = "0004-resp-connector-finish-gets-whose-caller-timed-out.patch"
 
 pytestmark = pytest.mark.lmcache
 
@@ -245,7 +250,7 @@ def test_full_hit_batch_is_returned_whole(make_env):
 PAUSE_MS = 5000
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(TIMEOUT_PATCH)
 @pytest.mark.parametrize("path", ["blocking", "non-blocking"])
 def test_timed_out_get_frees_its_buffers_only_once_the_native_get_completes(make_env, path):
     env = make_env(blocking_timeout_secs=1)  # an int in LMCache config
@@ -276,7 +281,7 @@ def test_timed_out_get_frees_its_buffers_only_once_the_native_get_completes(make
     env.assert_back_at_baseline(timeout=PAUSE_MS / 1000 + 10.0)
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(TIMEOUT_PATCH)
 def test_timed_out_gets_do_not_use_up_the_connector(make_env):
     # RESPConnector runs loads on an executor of 4 workers. A caller that
     # times out must not take a worker down with it when the load finishes.
@@ -292,6 +297,139 @@ def test_timed_out_gets_do_not_use_up_the_connector(make_env):
     assert obj is not None and chunk_bytes(obj) == stored
     obj.ref_count_down()
     env.assert_back_at_baseline()
+
+
+class _ResultArrivesAsTheWaitEnds:
+    """``asyncio`` as remote_backend sees it, with one change that forces the
+    interleaving a real run hits only by chance: the caller's
+    ``future.result(timeout)`` gives up (TimeoutError) at the moment the GET
+    has completed. The GET itself runs on the real connector and Valkey."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def run_coroutine_threadsafe(self, coro, loop):
+        return _LateFuture(self._real.run_coroutine_threadsafe(coro, loop))
+
+
+class _LateFuture:
+    def __init__(self, future) -> None:
+        self._future = future
+
+    def __getattr__(self, name: str):
+        return getattr(self._future, name)
+
+    def result(self, timeout=None):
+        if timeout is None:
+            return self._future.result()
+        self._future.result(RESULT_BOUND_S)  # the GET completes ...
+        raise TimeoutError  # ... just as the caller's wait runs out
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+
+@pytest.mark.fixes(TIMEOUT_PATCH)
+@pytest.mark.parametrize("path", ["get", "batched"])
+def test_get_that_completes_as_its_caller_times_out_frees_its_buffers(make_env, monkeypatch, path):
+    from lmcache.v1.storage_backend import remote_backend
+
+    env = make_env()
+    for i in range(2):
+        env.store(i)
+    monkeypatch.setattr(remote_backend, "asyncio", _ResultArrivesAsTheWaitEnds(asyncio))
+
+    if path == "get":
+        assert call_bounded(lambda: env.backend.get_blocking(env.key(0))) is None
+    else:
+        keys = [env.key(0), env.key(1)]
+        assert call_bounded(lambda: env.backend.batched_get_blocking(keys)) == [None, None]
+    env.assert_back_at_baseline(timeout=2.0)
+
+
+@pytest.mark.fixes(PATCH)
+def test_batch_with_a_miss_writes_the_loaded_prefix_back_to_l1(valkey):
+    """A remote batch GET through the storage manager, with chunk 2 evicted
+    from Valkey between lookup and load: the chunks before it come back and
+    are written back to L1, as a batch without a miss is."""
+    import torch
+
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from tests.support.pcp_ranks import CHUNK_SIZE, make_kv_connector, mla_metadata
+
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK_SIZE,
+        local_cpu=True,
+        max_local_cpu_size=0.02,
+        remote_url=valkey.url,
+        remote_serde="naive",
+        save_unfull_chunk=False,
+        blocking_timeout_secs=5,
+        extra_config={"save_chunk_meta": False, "resp_num_threads": 2},
+    )
+    instance_id = f"write-back-{id(valkey)}"
+    kv = make_kv_connector(1024)
+    engine = LMCacheEngineBuilder.get_or_create(
+        instance_id, config, mla_metadata("write-back", 1, 0), kv, lambda t, src: t, lambda o, src: o
+    )
+    try:
+        engine.post_init()
+        storage = engine.storage_manager
+        l1 = storage.storage_backends["LocalCPUBackend"]
+        remote = storage.storage_backends["RemoteBackend"]
+        tokens = [(11 * i + 5) % 30011 for i in range(4 * CHUNK_SIZE)]
+        kv.fill(9, len(tokens))
+        engine.store(tokens)
+        keys = [key for _, _, key in engine.token_database.process_tokens(tokens=tokens)]
+        deadline = time.monotonic() + RESULT_BOUND_S
+        while not all(remote.contains(key) for key in keys):
+            assert time.monotonic() < deadline, "the chunks never reached Valkey"
+            time.sleep(0.05)
+        stored = [l1.hot_cache[key].tensor.clone() for key in keys]
+        for key in keys:
+            l1.remove(key)  # a fresh pod: nothing in L1
+        with valkey.client() as client:
+            assert client.delete(keys[2].to_string()) == 1  # evicted from L2
+
+        loaded = call_bounded(lambda: storage.batched_get(keys, location="RemoteBackend"))
+
+        assert [obj is not None for obj in loaded] == [True, True, False, False]
+        in_l1 = [key in l1.hot_cache for key in keys]
+        assert in_l1 == [True, True, False, False], (
+            f"L1 holds {in_l1} after a batch that loaded chunks 0 and 1: the loaded prefix was not written back"
+        )
+        for i in (0, 1):
+            assert l1.hot_cache[keys[i]] is loaded[i]
+            assert torch.equal(loaded[i].tensor, stored[i])
+            loaded[i].ref_count_down()
+            assert l1.hot_cache[keys[i]].get_ref_count() == 1  # only L1's reference is left
+    finally:
+        if engine.storage_manager is not None:
+            close_remote_connection(engine.storage_manager.storage_backends.get("RemoteBackend"))
+        LMCacheEngineBuilder.destroy(instance_id)
+
+
+def close_remote_connection(remote) -> None:
+    """Close a RemoteBackend's RESP connection on its loop, as Env.close does,
+    and detach it: RESPConnector.close() runs the executor's synchronous
+    shutdown on the loop thread and never returns (so does the engine's
+    close through it); RemoteBackend.close() skips a detached connection."""
+    if remote is None or remote.connection is None:
+        return
+    connector = remote.connection
+    while hasattr(connector, "getWrappedConnector"):
+        connector = connector.getWrappedConnector()
+
+    async def _close():
+        await connector.pq_executor.shutdown_async(wait=False)
+        connector.client.close()
+
+    asyncio.run_coroutine_threadsafe(_close(), remote.loop).result(RESULT_BOUND_S)
+    remote.connection = None
 
 
 @pytest.mark.fixes(PATCH)

@@ -1,4 +1,4 @@
-"""Proof of 0004-remote-backend-worker0-keys-in-async-get.patch.
+"""Proof of 0005-remote-backend-worker0-keys-in-async-get.patch.
 
 Under MLA with more than one worker, ``remote_enable_mla_worker_id_as0``
 (on by default) makes only worker 0 write to the remote store; every other
@@ -36,7 +36,7 @@ from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
 pytestmark = pytest.mark.lmcache
 
-PATCH = "0004-remote-backend-worker0-keys-in-async-get.patch"
+PATCH = "0005-remote-backend-worker0-keys-in-async-get.patch"
 
 MODEL = "test-model"
 WORLD_SIZE = 4

@@ -1,4 +1,4 @@
-"""Proof of 0005-remote-url-rank-template.patch.
+"""Proof of 0006-remote-url-rank-template.patch.
 
 ``{rank}`` in ``remote_url`` selects a per-rank remote instance
 (``resp://valkey-lmcache-{rank}.svc:6379``): the worker's rank
@@ -36,7 +36,7 @@ from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
 pytestmark = pytest.mark.lmcache
 
-PATCH = "0005-remote-url-rank-template.patch"
+PATCH = "0006-remote-url-rank-template.patch"
 
 WORLD_SIZE = 4
 KV_SHAPE = (2, 2, 256, 1, 16)
@@ -101,7 +101,7 @@ def make_backend(loop, remote_url: str, rank: int, **extra: Any) -> RemoteBacken
     return RemoteBackend(config=config, metadata=metadata, loop=loop, local_cpu_backend=local_cpu)
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"no connector was created for the template URL")
 def test_rank_template_resolves_before_parsing(loop, recorder):
     backend = make_backend(loop, "resp://h-{rank}:700{rank}", rank=3)
 
@@ -117,7 +117,7 @@ def test_url_without_rank_is_unchanged(loop, recorder):
     assert backend.remote_url == "resp://cache.example.svc:6379"
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"DID NOT RAISE <class 'ValueError'>")
 def test_unknown_template_field_is_a_config_error(loop, recorder):
     url = "resp://{host}-{rank}:6379"
     with pytest.raises(ValueError) as excinfo:
@@ -129,7 +129,7 @@ def test_unknown_template_field_is_a_config_error(loop, recorder):
     assert recorder == [], "a connector was created for an invalid template"
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"RemoteBackendHealthCheck\(resp://h-\{rank\}")
 def test_health_check_uses_resolved_url(loop, recorder):
     backend = make_backend(loop, "resp://h-{rank}:700{rank}", rank=3)
     check = RemoteBackendHealthCheck(backend)
@@ -164,7 +164,7 @@ async def _close_client(client) -> None:
     client.close()
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"resp://127\.0\.0\.\{rank\}:\d+")
 def test_rank_template_reaches_the_rank_instance(valkey, loop):
     """Rank 1 of resp://127.0.0.{rank}:PORT stores into the real server at
     127.0.0.1:PORT, and the health check's put+get recovery probe passes

@@ -13,8 +13,8 @@ from tests.support.pcp_ranks import CHUNK_SIZE, mla_metadata
 
 pytestmark = pytest.mark.lmcache
 
-GUARDS = "0011-pcp-shard-guards.patch"
-STORE = "0008-pcp-shard-store-and-lookup.patch"
+GUARDS = "0012-pcp-shard-guards.patch"
+STORE = "0009-pcp-shard-store-and-lookup.patch"
 _ids = itertools.count()
 
 

@@ -22,7 +22,7 @@ from tests.support.pcp_ranks import CHUNK_SIZE, ResponseRecorder, make_kv_connec
 
 pytestmark = pytest.mark.lmcache
 
-PATCH = "0010-pcp-shard-async-load.patch"
+PATCH = "0011-pcp-shard-async-load.patch"
 WORLD_SIZES = (2, 3, 5, 8)
 PATTERNS = 3000
 

@@ -1,0 +1,152 @@
+"""The leave-one-out variants (build/distbuild/leaveout.py) on a real git tree.
+
+The tree is a pristine commit and one commit per patch, made with the build
+tool's own git wrapper, as ``make patched`` makes them. Patch 3 edits lines
+patch 1 adds, so it cannot apply without it; patch 2 changes a compiled
+source and a Python file.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from distbuild import leaveout
+from distbuild.gitrepo import PRISTINE_REF, Repo
+
+PATCHES = ["0001-adds-helper.patch", "0002-native-and-python.patch", "0003-uses-helper.patch"]
+
+
+def write(root: Path, files: dict[str, str | None]) -> None:
+    for name, text in files.items():
+        path = root / name
+        if text is None:
+            path.unlink()
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "src"
+    repo = Repo(root)
+    repo.init()
+    write(root, {"lmcache/__init__.py": "", "lmcache/core.py": "A = 1\n", "csrc/op.cpp": "int op();\n",
+                 "lmcache/old.py": "OLD = 1\n"})
+    repo.set_ref(PRISTINE_REF, repo.commit_all("pristine"))
+    write(root, {"lmcache/core.py": "A = 1\n\n\ndef helper():\n    return A\n"})
+    repo.commit_all("adds helper")
+    write(root, {"csrc/op.cpp": "int op() { return 2; }\n", "lmcache/native.py": "N = 2\n", "lmcache/old.py": None})
+    repo.commit_all("native and python")
+    write(root, {"lmcache/core.py": "A = 1\n\n\ndef helper():\n    return A + 1\n"})
+    repo.commit_all("uses helper")
+    return root
+
+
+def test_a_patch_that_others_build_on_is_left_out_with_them(tree):
+    variants = {v.patch: v for v in leaveout.left_out_variants(tree, PATCHES)}
+
+    assert variants[PATCHES[0]].dependents == (PATCHES[2],)
+    assert variants[PATCHES[1]].dependents == ()
+    assert variants[PATCHES[2]].dependents == ()
+    repo = Repo(tree)
+    assert repo.git("show", f"{variants[PATCHES[0]].tree_hash}:lmcache/core.py").stdout == b"A = 1\n"
+    # Without patch 3 only: patch 1's helper is there, unchanged.
+    assert b"return A\n" in repo.git("show", f"{variants[PATCHES[2]].tree_hash}:lmcache/core.py").stdout
+
+
+def test_changed_paths_say_whether_the_compiled_build_can_be_reused(tree):
+    variants = {v.patch: v for v in leaveout.left_out_variants(tree, PATCHES)}
+
+    assert set(variants[PATCHES[1]].changed) == {"csrc/op.cpp", "lmcache/native.py", "lmcache/old.py"}
+    assert not variants[PATCHES[1]].python_only
+    assert variants[PATCHES[2]].python_only
+
+
+def test_the_series_file_must_declare_what_is_left_out_together(tree, tmp_path):
+    series = tmp_path / "series"
+
+    series.write_text("\n".join(PATCHES) + "\n")
+    declared = leaveout.declared_dependents(series)
+    problems = leaveout.check_declarations(leaveout.left_out_variants(tree, PATCHES, declared), declared, series)
+    assert len(problems) == 1, problems
+    assert f"# leave-out: {PATCHES[0]} with {PATCHES[2]}: <why>" in problems[0]
+
+    series.write_text(f"# leave-out: {PATCHES[0]} with {PATCHES[2]}: 0003 edits the helper 0001 adds\n"
+                      + "\n".join(PATCHES) + "\n")
+    declared = leaveout.declared_dependents(series)
+    variants = leaveout.left_out_variants(tree, PATCHES, declared)
+    assert leaveout.check_declarations(variants, declared, series) == []
+    assert variants[0].undeclared == ()
+
+
+def test_a_declared_dependent_is_left_out_even_when_it_applies(tree, tmp_path):
+    series = tmp_path / "series"
+    series.write_text(f"# leave-out: {PATCHES[0]} with {PATCHES[2]}: 0003 edits the helper 0001 adds\n"
+                      f"# leave-out: {PATCHES[1]} with {PATCHES[2]}: 0003 uses what 0002 adds at run time\n"
+                      + "\n".join(PATCHES) + "\n")
+    declared = leaveout.declared_dependents(series)
+    variants = {v.patch: v for v in leaveout.left_out_variants(tree, PATCHES, declared)}
+
+    assert variants[PATCHES[1]].dependents == (PATCHES[2],)
+    assert leaveout.check_declarations(list(variants.values()), declared, series) == []
+    core = Repo(tree).git("show", f"{variants[PATCHES[1]].tree_hash}:lmcache/core.py").stdout
+    assert b"return A\n" in core  # 0003's edit is not there
+
+
+def test_a_declaration_must_name_a_later_patch(tree, tmp_path):
+    series = tmp_path / "series"
+    series.write_text(f"# leave-out: {PATCHES[2]} with {PATCHES[0]}: backwards\n"
+                      f"# leave-out: {PATCHES[0]} with {PATCHES[2]}: ok\n" + "\n".join(PATCHES) + "\n")
+    declared = leaveout.declared_dependents(series)
+    problems = leaveout.check_declarations(leaveout.left_out_variants(tree, PATCHES, declared), declared, series)
+    assert problems == [f"{series}: leave-out of {PATCHES[2]} names {PATCHES[0]}, which is not a later patch"]
+
+
+def test_commits_must_match_the_series(tree):
+    with pytest.raises(Exception, match="2 patches"):
+        leaveout.left_out_variants(tree, PATCHES[:2])
+
+
+def test_overlay_site_puts_the_variant_python_over_the_installed_package(tree, tmp_path):
+    variants = {v.patch: v for v in leaveout.left_out_variants(tree, PATCHES)}
+    installed = tmp_path / "site-packages" / "lmcache"
+    write(installed, {"__init__.py": "", "core.py": "patched\n", "native.py": "N = 2\n",
+                      "lmcache_native.so": "compiled\n"})
+
+    site = leaveout.overlay_site(Repo(tree), variants[PATCHES[2]].tree_hash, Repo(tree).tree("HEAD"), installed,
+                                 tmp_path / "v3")
+
+    assert (site / "lmcache" / "core.py").read_text() == "A = 1\n\n\ndef helper():\n    return A\n"
+    assert (site / "lmcache" / "lmcache_native.so").read_text() == "compiled\n"
+    assert not (tmp_path / "v3.partial").exists()
+
+
+def test_overlay_site_removes_files_the_variant_lacks(tree, tmp_path):
+    repo = Repo(tree)
+    installed = tmp_path / "pkg" / "lmcache"
+    write(installed, {"__init__.py": "", "core.py": "patched\n", "native.py": "N = 2\n"})
+
+    # A variant that differs from the installed build in csrc/ needs its own build.
+    with pytest.raises(Exception, match="non-Python files.*csrc/op.cpp"):
+        leaveout.overlay_site(repo, repo.tree("HEAD~2"), repo.tree("HEAD"), installed, tmp_path / "site")
+    assert not (tmp_path / "site").exists()
+
+    # Python only: the tree after 0002 seen from the build of the tree after 0003.
+    site = leaveout.overlay_site(repo, repo.tree("HEAD~1"), repo.tree("HEAD"), installed, tmp_path / "site")
+    assert (site / "lmcache" / "core.py").read_text() == "A = 1\n\n\ndef helper():\n    return A\n"
+    assert (site / "lmcache" / "native.py").read_text() == "N = 2\n"
+
+    # Files the variant lacks are removed: the pristine tree's Python seen from
+    # the build after 0002 (with its C++ undone by hand, as a wheel would be).
+    fake = tmp_path / "fake"
+    fake_repo = Repo(fake)
+    fake_repo.init()
+    write(fake, {"lmcache/__init__.py": "", "lmcache/core.py": "A = 1\n", "lmcache/native.py": "N = 2\n"})
+    with_native = fake_repo.tree(fake_repo.commit_all("with native"))
+    write(fake, {"lmcache/native.py": None})
+    without_native = fake_repo.tree(fake_repo.commit_all("without native"))
+    site = leaveout.overlay_site(fake_repo, without_native, with_native, installed, tmp_path / "site2")
+    assert not (site / "lmcache" / "native.py").exists()
+    assert (site / "lmcache" / "core.py").read_text() == "patched\n"  # unchanged between the trees: the build's

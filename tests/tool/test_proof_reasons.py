@@ -1,0 +1,95 @@
+"""The proof marker's leave-one-out mode (tests/conftest.py), run by real pytest.
+
+Each case writes a small test file into a pytester folder whose conftest takes
+the project's own hooks, and runs pytest on it with ``DIST_LMCACHE_TREE`` set
+as the leave-one-out phase sets it.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import series_patches
+
+pytest_plugins = ["pytester"]
+
+PATCH = sorted(series_patches())[0]
+OTHER = sorted(series_patches())[1]
+
+CONFTEST = """
+from tests.conftest import pytest_configure, pytest_collection_modifyitems, pytest_runtest_makereport
+"""
+
+
+def run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tree: str, body: str) -> pytest.RunResult:
+    monkeypatch.setenv("DIST_LMCACHE_TREE", tree)
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_proof=f"import pytest\nPATCH = {PATCH!r}\nOTHER = {OTHER!r}\n{body}")
+    return pytester.runpytest("-p", "no:cacheprovider", "-q")
+
+
+def test_a_proof_failing_for_its_stated_reason_counts_as_failing(pytester, monkeypatch):
+    result = run(pytester, monkeypatch, f"without:{PATCH}", """
+@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: 2 pins left")
+def test_pins():
+    assert False, "2 pins left"
+""")
+    result.assert_outcomes(xfailed=1)
+
+
+def test_a_proof_failing_for_another_reason_is_a_failure(pytester, monkeypatch):
+    result = run(pytester, monkeypatch, f"without:{PATCH}", """
+@pytest.mark.fixes(PATCH, fails_with=r"2 pins left")
+def test_pins():
+    import lmcache_module_that_does_not_exist
+""")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*failed without it for another reason*ModuleNotFoundError*"])
+
+
+def test_a_proof_without_a_stated_reason_is_a_failure(pytester, monkeypatch):
+    result = run(pytester, monkeypatch, f"without:{PATCH}", """
+@pytest.mark.fixes(PATCH)
+def test_pins():
+    assert False
+""")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*states no expected failure*"])
+
+
+def test_a_proof_passing_without_its_patch_is_a_failure(pytester, monkeypatch):
+    result = run(pytester, monkeypatch, f"without:{PATCH}", """
+@pytest.mark.fixes(PATCH, fails_with="x")
+def test_pins():
+    pass
+""")
+    result.assert_outcomes(failed=1)
+
+
+def test_only_the_left_out_patch_proofs_run(pytester, monkeypatch):
+    result = run(pytester, monkeypatch, f"without:{PATCH}", """
+@pytest.mark.fixes(OTHER, fails_with="x")
+def test_other_patch():
+    pass
+
+def test_plain():
+    pass
+
+@pytest.mark.fixes(PATCH, fails_with="boom")
+def test_mine():
+    raise RuntimeError("boom")
+""")
+    result.assert_outcomes(xfailed=1, deselected=2)
+
+
+def test_the_pristine_phase_is_unchanged(pytester, monkeypatch):
+    result = run(pytester, monkeypatch, "pristine", """
+@pytest.mark.fixes(PATCH, fails_with=r"never matched")
+def test_pins():
+    raise ImportError("no module")
+""")
+    result.assert_outcomes(xfailed=1)
+
+
+def test_an_unknown_left_out_patch_is_a_usage_error(pytester, monkeypatch):
+    result = run(pytester, monkeypatch, "without:9999-nope.patch", "def test_x():\n    pass\n")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
