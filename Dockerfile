@@ -16,7 +16,7 @@
 #   sources          the pinned sdists, fetched by hash, with patches/ applied
 #   build-env        toolchain + torch (CUDA 13) + the wheels' build needs
 #   lmcache-wheel    patched LMCache with its CUDA extension for sm_103a
-#   flashinfer-wheel patched FlashInfer + its fused-MoE module compiled ahead of time for sm_103a
+#   flashinfer-wheel patched FlashInfer + its modules compiled ahead of time for sm_103a (with the artifact set)
 #   runtime          the serving image
 
 # A Debian bookworm rootfs with python3 (3.11) and python3-venv. `make image`
@@ -154,7 +154,7 @@ RUN tree="$(python -c 'import json; print(json.load(open("/build/lmcache.json"))
 WORKDIR /out
 RUN sha256sum ./*.whl > SHA256SUMS
 
-######################## flashinfer-wheel: patched FlashInfer + fused-MoE AOT ########################
+######################## flashinfer-wheel: patched FlashInfer + AOT modules ########################
 FROM build-env AS flashinfer-wheel
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG FLASHINFER_CUDA_ARCH_LIST
@@ -168,16 +168,23 @@ RUN rm -rf .git \
          echo "flashinfer-wheel: building the patched FlashInfer wheel failed" >&2; exit 1; \
        fi
 COPY scripts/imagectl/__init__.py scripts/imagectl/flashinfer_aot.py /src/scripts/imagectl/
-# The fused-MoE module (fused_moe_trtllm_sm100, which serves sm_103 as well)
-# compiled for sm_103a into flashinfer/data/aot/, where FlashInfer loads AOT
-# modules from. It needs trtllm-gen headers that FlashInfer fetches from its
-# artifact store, checked against the sha256 FlashInfer pins: when the store
-# cannot be reached the module is not built and /out/flashinfer-aot.json says
-# so (the image records it and the self-test reports it).
+# The FlashInfer modules vLLM uses for GLM-5.3 FP8 on SM103 (the trtllm-gen
+# fused MoE, the sparse-MLA FMHA, sampling, all-reduce fusion) compiled for
+# sm_103a into /out/aot (the runtime puts it in flashinfer/data/aot/, where
+# FlashInfer loads AOT modules from), from the artifact set `make image`
+# stages into build/flashinfer-cubins/ (`make flashinfer-artifacts` fetches
+# it). imagectl.flashinfer_aot verifies it along FlashInfer's hash chain of
+# THIS tree into /out/cubins (the runtime's FLASHINFER_CUBIN_DIR) and builds
+# with FLASHINFER_NO_DOWNLOAD. No set: nothing is compiled and
+# /out/flashinfer-aot.json says what is missing and what that costs (the
+# image records it, the self-test reports it, STRICT=1 fails).
+COPY build/flashinfer-cubins/ /build/cubins-in/
 WORKDIR /out
 RUN --mount=type=secret,id=build-ca pip install --no-cache-dir --no-deps --progress-bar off /out/flashinfer_python-*.whl \
     && FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST}" MAX_JOBS="${MAX_JOBS}" CUDA_HOME=/opt/cuda \
-       PYTHONPATH=/src/scripts with-build-ca python -m imagectl.flashinfer_aot --out /out/aot --status /out/flashinfer-aot.json \
+       PYTHONPATH=/src/scripts:/src/build python -m imagectl.flashinfer_aot --tree /build/flashinfer \
+         --cubins-in /build/cubins-in --out /out --status /out/flashinfer-aot.json \
+    && rm -rf /build/cubins-in \
     && sha256sum ./*.whl > SHA256SUMS
 
 ######################## runtime: the serving image ########################
@@ -192,13 +199,17 @@ ARG FLASHINFER_VERSION
 ARG NIXL_VERSION
 ARG TORCH_CUDA_ARCH_LIST
 ARG BASE_IMAGE
-# gcc + libc headers: Triton compiles its launcher stub at first use.
+# The run-time JIT's host side: gcc (Triton's launcher stub), g++ (FlashInfer's
+# and DeepGEMM's host code, nvcc's host compiler), python3-dev (Python.h, which
+# Triton's stub and FlashInfer's modules include via sysconfig's include dir).
 # libfabric1 (1.17) and the rdma-core libraries it brings (libibverbs1,
 # librdmacm1) for NIXL's UCX RDMA transports. NIXL's LIBFABRIC (EFA) plugin needs
-# libfabric's FABRIC_1.10 ABI, newer than bookworm's: EFA nodes mount AWS's (README).
+# libfabric's FABRIC_1.10 ABI, which no Debian release has (trixie's 2.1.0 stops
+# at FABRIC_1.8): EFA nodes mount theirs (configs/deploy nixl_host_libfabric). The
+# plugin also links libhwloc.so.15 (libhwloc15), which the node's libfabric does not bring.
 # hadolint ignore=DL3008
 RUN apt-get update -qq \
-    && apt-get install -y -qq --no-install-recommends gcc libc6-dev libfabric1 libnuma1 ca-certificates tini \
+    && apt-get install -y -qq --no-install-recommends gcc g++ libc6-dev python3-dev libfabric1 libhwloc15 libnuma1 ca-certificates tini \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
@@ -206,6 +217,23 @@ COPY build/lock/image.txt /opt/glm53/lock/image.txt
 # hadolint ignore=DL3042
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=build-ca \
     with-build-ca pip install --require-hashes --no-deps --progress-bar off -r /opt/glm53/lock/image.txt
+# The JIT toolchain (FlashInfer, DeepGEMM, Triton): the lock installs the toolchain
+# stage's own compiler wheels (nvcc, ptxas, crt, nvvm, CCCL, cuobjdump: the same files
+# and sha256 as build/pins.toml, build/distbuild/lock.py JIT_TOOLCHAIN) into
+# nvidia/cu13, beside the CUDA 13.0 libraries torch brings. /opt/cuda is laid out
+# as in the toolchain stage (lib64, libcudart.so), and exactly one nvcc, 13.0, is in it.
+RUN cu13="/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13" \
+    && ln -s "$cu13" /opt/cuda \
+    && ln -s lib /opt/cuda/lib64 \
+    && for so in /opt/cuda/lib/libcudart.so.*; do if [ ! -e /opt/cuda/lib/libcudart.so ]; then ln -s "$(basename "$so")" /opt/cuda/lib/libcudart.so; fi; done \
+    && nvccs="$(find /opt/venv -name nvcc -type f | wc -l)" \
+    && if [ "$nvccs" != 1 ] || ! /opt/cuda/bin/nvcc --version | grep -q "release ${CUDA_VERSION},"; then \
+         echo "runtime: want exactly one nvcc, CUDA ${CUDA_VERSION}, at /opt/cuda/bin; found ${nvccs}: $(find /opt/venv -name nvcc -type f)" >&2; exit 1; \
+       fi \
+    && for tool in ptxas cuobjdump fatbinary nvlink; do \
+         [ -x "/opt/cuda/bin/${tool}" ] || { echo "runtime: /opt/cuda/bin/${tool} missing (JIT needs it)" >&2; exit 1; }; \
+       done
+ENV CUDA_HOME=/opt/cuda PATH=/opt/cuda/bin:$PATH
 COPY --from=lmcache-wheel /out/ /tmp/wheels/lmcache/
 COPY --from=flashinfer-wheel /out/*.whl /out/SHA256SUMS /tmp/wheels/flashinfer/
 # Our own wheels, checked against the sums their stage wrote, then pip check
@@ -219,6 +247,12 @@ RUN sed 's|  \./|  lmcache/|' lmcache/SHA256SUMS > all.sums \
     && mkdir -p /opt/glm53/wheels && cat lmcache/SHA256SUMS flashinfer/SHA256SUMS > /opt/glm53/wheels/SHA256SUMS \
     && rm -rf /tmp/wheels
 COPY --from=flashinfer-wheel /out/aot/ /opt/venv/lib/python${PYTHON_VERSION}/site-packages/flashinfer/data/aot/
+# FlashInfer's artifact set, verified in the flashinfer-wheel stage (empty without one);
+# `make image` passes FLASHINFER_CUBIN_DIR=/opt/flashinfer/cubins only when the set is
+# complete, else "" (FlashInfer then downloads into /cache at first use).
+COPY --from=flashinfer-wheel /out/cubins/ /opt/flashinfer/cubins/
+ARG FLASHINFER_CUBIN_DIR=
+ENV FLASHINFER_CUBIN_DIR=${FLASHINFER_CUBIN_DIR}
 COPY --from=flashinfer-wheel /out/flashinfer-aot.json /opt/glm53/flashinfer-aot.json
 COPY --from=sources /work/trees/ /opt/glm53/trees/
 # vLLM's NIXL P/D proxy is not in the wheel: the pinned sdist's copy.
@@ -233,14 +267,22 @@ RUN PYTHONPATH=/opt/glm53/scripts python -m imagectl.finalize \
       --trees /opt/glm53/trees --wheels /opt/glm53/wheels --aot /opt/glm53/flashinfer-aot.json \
       --manifest /opt/glm53/manifest.json --sbom /opt/glm53/sbom.cdx.json \
     && rm -rf /opt/glm53/scripts/__pycache__ \
-    && useradd --create-home --uid 1000 --shell /bin/bash serve \
-    && mkdir -p /cache && chown serve:serve /cache
-ENV HF_HOME=/cache/huggingface \
+    && useradd --create-home --uid 1000 --gid 0 --shell /bin/bash serve \
+    && mkdir -p /cache \
+    && chown -R 1000:0 /cache /home/serve \
+    && chmod -R g+rwX /cache /home/serve
+# Any UID (OpenShift, --user 1000680000:0) runs with group 0, which owns the caches
+# and HOME with the owner's rights; the entrypoint sets USER/LOGNAME (and HOME if
+# unusable) for a UID that /etc/passwd does not know (imagectl/identity.py).
+ENV HOME=/home/serve \
+    HF_HOME=/cache/huggingface \
     XDG_CACHE_HOME=/cache \
     FLASHINFER_WORKSPACE_BASE=/cache \
     TRITON_CACHE_DIR=/cache/triton \
     VLLM_CACHE_ROOT=/cache/vllm \
     TORCHINDUCTOR_CACHE_DIR=/cache/inductor \
+    CUDA_CACHE_PATH=/cache/nv/ComputeCache \
+    MPLCONFIGDIR=/cache/matplotlib \
     GLM53_HOME=/opt/glm53 \
     PYTHONPATH=/opt/glm53/scripts
 ARG PATCH_SERIES_SHA256=unknown
@@ -271,7 +313,7 @@ LABEL org.opencontainers.image.title="glm53-b300-serving" \
       io.glm53.flashinfer.patched-tree="${FLASHINFER_PATCHED_TREE}" \
       io.glm53.vllm.patched-tree="${VLLM_PATCHED_TREE}" \
       io.glm53.flashinfer.fused-moe-aot="${FLASHINFER_AOT}"
-USER 1000:1000
+USER 1000:0
 WORKDIR /home/serve
 EXPOSE 8000
 ENTRYPOINT ["/usr/bin/tini", "--", "/opt/glm53/scripts/entrypoint"]

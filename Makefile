@@ -6,15 +6,16 @@ WORK ?= $(CURDIR)/work
 DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
 FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
 
-.PHONY: help image image-check lock test sources fetch patched export health manifest lint pin audit clean
+.PHONY: help image image-check lock test sources fetch flashinfer-artifacts patched export health manifest lint pin audit clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
 	@echo "  variables: UPSTREAM=lmcache|flashinfer|vllm (export), UPSTREAM=NAME==VERSION (health), FORCE=1, WORK=dir"
 
 IMAGE_TAG ?= localhost/glm53-b300-serving:dev
-image: ## build the serving image, run its self-test and the sm_103 audit [ENGINE=docker|podman|buildah] [IMAGE_TAG=..] [BASE_IMAGE=..] [STAGE=..]
-	$(DIST) image --tag $(IMAGE_TAG) $(if $(ENGINE),--engine $(ENGINE)) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(STAGE),--target $(STAGE))
+STRICT_FLAG := $(if $(filter 1 yes true,$(STRICT)),--strict,)
+image: ## build the serving image, run its self-test and the sm_103 audit [ENGINE=docker|podman|buildah] [IMAGE_TAG=..] [BASE_IMAGE=..] [STAGE=..] [STRICT=1: fail without FlashInfer AOT]
+	$(DIST) image --tag $(IMAGE_TAG) $(if $(ENGINE),--engine $(ENGINE)) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(STAGE),--target $(STAGE)) $(STRICT_FLAG)
 
 image-check: ## run the built image: self-test, presets, deployment, the operator tools against real Valkey and a streaming server [IMAGE_TAG=..]
 	@test -x $(WORK)/venv/bin/python || { echo "make image-check: needs the test environment ($(WORK)/venv): run make test once" >&2; exit 2; }
@@ -31,6 +32,9 @@ sources: ## fetch the pinned upstream sdists into work/cache (verified by sha256
 
 fetch: ## fetch every pinned artifact, image wheels and toolchain included (ROLE=upstream|image|toolchain)
 	$(DIST) fetch --role $(or $(ROLE),all)
+
+flashinfer-artifacts: ## fetch FlashInfer's pinned trtllm-gen artifacts into the cache, hash-chain verified [FLASHINFER_MIRROR=url|folder] [CHECK=1]
+	$(DIST) flashinfer-artifacts $(if $(FLASHINFER_MIRROR),--mirror $(FLASHINFER_MIRROR)) $(if $(filter 1,$(CHECK)),--check)
 
 patched: ## pristine + patched trees under work/src, and work/manifest.json
 	$(DIST) patched $(FORCE_FLAG)

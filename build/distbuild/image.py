@@ -52,13 +52,14 @@ class Options:
     audit: bool = True
     audit_target: str = "sm_103"
     max_jobs: int = 2
+    strict: bool = False   # a release: fail unless FlashInfer's modules are compiled ahead of time
     extra_args: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Options":
         return cls(engine=args.engine, tag=args.tag, target=args.target, base_image=args.base_image,
                    selftest=not args.no_selftest, audit=not args.no_audit, audit_target=args.audit_target,
-                   max_jobs=int(os.environ.get("MAX_JOBS", "2")))
+                   max_jobs=int(os.environ.get("MAX_JOBS", "2")), strict=getattr(args, "strict", False))
 
 
 def stages_until(target: str) -> list[str]:
@@ -222,6 +223,7 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print) ->
     started = time.monotonic()
     stages = stages_until(options.target)
     check_inputs(layout)
+    _stage_flashinfer_artifacts(layout, options, log)
     engine = engine_step.ensure_engine(options.engine, log)
     builder = Builder(layout, engine, options, log)
     report: dict = {"engine": engine.name, "tag": options.tag, "stages": builder.times}
@@ -242,6 +244,7 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print) ->
             git_rev = subprocess.run(["git", "-C", str(layout.repo), "rev-parse", "HEAD"], capture_output=True,
                                      text=True).stdout.strip() or "unknown"
             runtime_args = {**args, **labels_mod.build_args(manifest, aot.get("status", "unknown")),
+                            "FLASHINFER_CUBIN_DIR": aot.get("cubin_dir", ""),
                             "IMAGE_REVISION": git_rev, "IMAGE_VERSION": options.tag.rsplit(":", 1)[-1]}
             builder.build_stage(stage, runtime_args, tag=options.tag)
         else:
@@ -261,6 +264,9 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print) ->
                 if aot.get("status") != "built":
                     log(f"image    NOTE: FlashInfer {aot.get('module')} was NOT compiled ahead of time: {aot.get('reason')}")
                     log(f"image    NOTE: {aot.get('consequence')}")
+                    if options.strict:
+                        raise DistBuildError(f"STRICT=1: the flashinfer-wheel stage compiled no FlashInfer module "
+                                             f"({aot.get('reason')}); missing: {', '.join(aot.get('missing', [])[:5])}")
     final = options.tag if options.target == "runtime" else STAGE_TAG.format(stage=options.target)
     report["image"] = final
     if options.target == "runtime":
@@ -289,6 +295,22 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print) ->
     _write_report(builder.out, report, started)
     log(f"image    {final} ready in {time.monotonic() - started:.0f} s; report: {builder.out / 'report.json'}")
     return 0
+
+
+def _stage_flashinfer_artifacts(layout: Layout, options: Options, log: Callable[[str], None]):
+    """The cached FlashInfer artifact set into the build context (flashinfer_artifacts.stage)."""
+    from . import flashinfer_artifacts as fa
+
+    status = fa.stage(layout.cache / fa.CACHE_SUBDIR, layout.repo / "build" / fa.CACHE_SUBDIR, log)
+    if not status.complete:
+        log(f"image    NOTE: no complete FlashInfer artifact set in {status.root}: {status.missing[0]}"
+            f"{f' and {len(status.missing) - 1} more' if len(status.missing) > 1 else ''}; the image will carry "
+            "no AOT FlashInfer modules and no cubins (`make flashinfer-artifacts` fetches them)")
+        if options.strict:
+            raise DistBuildError(f"STRICT=1: no complete FlashInfer artifact set in {status.root} "
+                                 f"({len(status.missing)} missing, first {status.missing[0]}); "
+                                 "run `make flashinfer-artifacts [FLASHINFER_MIRROR=url-or-folder]`")
+    return status
 
 
 def _write_report(out: Path, report: dict, started: float) -> None:

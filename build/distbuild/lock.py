@@ -19,6 +19,14 @@ Linux (the image's platform), and writes:
 
 Every wheel that ``pins.toml`` also pins must resolve to the pinned file and
 hash, or the lock is refused: the two lists never disagree.
+
+One CUDA compiler: vLLM 0.31.0 requires ``humming-kernels[cu13]``, whose extra
+asks for ``nvidia-cuda-nvcc`` and ``nvidia-cuda-cccl`` with no version, so pip
+alone takes the newest (13.5 nvcc, which pulls 13.5 crt and nvvm, and cccl
+13.3) beside the 13.0 toolchain every build used. The image closure therefore
+requires the toolchain's own compiler wheels (``JIT_TOOLCHAIN``, role
+``toolchain`` in pins.toml) at their pinned file and hash: the runtime's JIT
+(FlashInfer, DeepGEMM) compiles with the same nvcc as the build stages.
 """
 from __future__ import annotations
 
@@ -41,6 +49,16 @@ MAX_MARKER_ROUNDS = 4
 PLATFORM = "manylinux_2_28_x86_64"
 
 IMAGE_EXTRA = ("lmcache", "flashinfer-python")   # resolved for their deps, installed from our builds
+# Resolved but never installed, with the reason (rendered into image.txt; the
+# self-test's pip check accepts exactly these unmet requirements):
+IMAGE_NOT_INSTALLED = {
+    "nixl-cu12": "nixl (the package vLLM imports as nixl._api) requires nixl-cu12 and nixl-cu13 "
+                 "unconditionally; the image is CUDA 13 and nixl loads nixl_cu13 (torch.version.cuda)",
+}
+# The toolchain pins the runtime's JIT needs: nvcc and ptxas, its front end (crt,
+# nvvm), CCCL's headers and cuobjdump (DeepGEMM reads SASS with it). Not the
+# toolchain's cudart: torch's cuda-toolkit pins the runtime's (13.0 as well).
+JIT_TOOLCHAIN = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-cccl", "nvidia-cuda-cuobjdump")
 BUILDER_REQUIREMENTS = (
     "ninja", "packaging>=24.2", "setuptools>=77.0.3,<81.0.0", "setuptools_scm>=8", "wheel",
     "grpcio==1.78.0", "grpcio-tools==1.78.0",      # LMCache's build-system requires
@@ -73,9 +91,20 @@ def requirement_lines(path: Path) -> list[str]:
     return [line.split("#", 1)[0].strip() for line in text.splitlines() if line.split("#", 1)[0].strip()]
 
 
+def jit_toolchain_pins(pins: list[Pin]) -> list[Pin]:
+    """The toolchain wheels the runtime image installs too (``JIT_TOOLCHAIN``); each must be pinned."""
+    found = {normalize_name(p.name): p for p in pins if p.role == "toolchain" and p.kind == "wheel"}
+    missing = [n for n in JIT_TOOLCHAIN if n not in found]
+    if missing:
+        raise DistBuildError(f"build/pins.toml: no toolchain pin for {', '.join(missing)}; the image's JIT "
+                             "toolchain must be the build stages' (role = toolchain)")
+    return [found[n] for n in JIT_TOOLCHAIN]
+
+
 def image_specs(pins: list[Pin], tools: list[str] = ()) -> list[str]:
     wheels = [p.spec for p in pins if p.role == "image"]
-    return [*wheels, _upstream_spec(pins, "lmcache"), _upstream_spec(pins, "flashinfer"), *tools]
+    compiler = [p.spec for p in jit_toolchain_pins(pins)]
+    return [*wheels, *compiler, _upstream_spec(pins, "lmcache"), _upstream_spec(pins, "flashinfer"), *tools]
 
 
 def builder_specs(pins: list[Pin]) -> list[str]:
@@ -140,10 +169,17 @@ def resolve(specs: list[str], index_url: str, python: str = sys.executable,
     return sorted(locked, key=lambda x: x.name)
 
 
+def _locked_here(pin: Pin) -> bool:
+    """The pins a closure must carry as pinned: the image's wheels and the JIT toolchain's."""
+    if pin.kind != "wheel":
+        return False
+    return pin.role == "image" or (pin.role == "toolchain" and normalize_name(pin.name) in JIT_TOOLCHAIN)
+
+
 def check_against_pins(locked: list[Locked], pins: list[Pin]) -> None:
     by_name = {x.name: x for x in locked}
     for pin in pins:
-        if pin.kind != "wheel" or pin.role != "image":
+        if not _locked_here(pin):
             continue
         got = by_name.get(normalize_name(pin.name))
         if got is None:
@@ -154,13 +190,16 @@ def check_against_pins(locked: list[Locked], pins: list[Pin]) -> None:
                 f"{got.filename} sha256 {got.sha256}; refresh the pin (make pin) or the index config")
 
 
-def render(locked: list[Locked], title: str, leave_out: tuple[str, ...] = ()) -> str:
+def render(locked: list[Locked], title: str, leave_out: tuple[str, ...] = (),
+           not_installed: dict[str, str] | None = None) -> str:
     drop = {normalize_name(n) for n in leave_out}
+    never = {normalize_name(n): why for n, why in (not_installed or {}).items()}
     lines = [f"# {title}",
              "# Written by `python -m distbuild lock` (make lock): never edit by hand.",
              f"# Python {PYTHON_VERSION}, {PLATFORM}; install with pip --require-hashes --no-deps.",
-             *(f"# left out (installed from our patched builds): {n}" for n in sorted(drop)), ""]
-    lines += [x.line() for x in locked if x.name not in drop]
+             *(f"# left out (installed from our patched builds): {n}" for n in sorted(drop)),
+             *(f"# left out (not installed: {why}): {n}" for n, why in sorted(never.items())), ""]
+    lines += [x.line() for x in locked if x.name not in drop and x.name not in never]
     return "\n".join(lines) + "\n"
 
 
@@ -175,7 +214,8 @@ def write_locks(pins: list[Pin], lock_dir: Path, index_url: str, tools: list[str
     check_against_pins([x for x in builder if x.name == "torch"], [p for p in pins if normalize_name(p.name) == "torch"])
     lock_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in (("image.txt", render(image, "Runtime closure of the serving image.", IMAGE_EXTRA)),
+    for name, text in (("image.txt", render(image, "Runtime closure of the serving image.", IMAGE_EXTRA,
+                                            IMAGE_NOT_INSTALLED)),
                        ("builder.txt", render(builder, "Builder closure: torch and the patched wheels' build needs.",
                                                 ("flashinfer-python",)))):
         path = lock_dir / name

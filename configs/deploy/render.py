@@ -58,6 +58,10 @@ VOLUME_SOURCES = {"hostPath", "persistentVolumeClaim", "nfs", "csi", "ephemeral"
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
 VALKEY_MEMORY = re.compile(r"^[0-9]+(b|kb|mb|gb|k|m|g)?$", re.IGNORECASE)
+# The serving image's LD_LIBRARY_PATH (Dockerfile, runtime stage; none today). A pod env var
+# replaces the image's, so the node-libfabric mount repeats it after the node's folders;
+# tests/configs/test_deploy.py checks that it equals the Dockerfile's.
+IMAGE_LD_LIBRARY_PATH = ""
 
 
 class RenderError(Exception):
@@ -157,6 +161,9 @@ def validate_params(p: dict) -> None:
     lib = p["nixl_host_libfabric"]
     _need(lib is None or (isinstance(lib, str) and lib.startswith("/")),
           f"nixl_host_libfabric: expected an absolute path on the node or null, got {lib!r}")
+    _need(lib is None or posixpath.basename(lib.rstrip("/")) not in ("lib", "lib64"),
+          f"nixl_host_libfabric: {lib!r} is a library folder; give the installation prefix "
+          f"(e.g. /opt/amazon/efa): its lib and lib64 are both put on LD_LIBRARY_PATH")
     rdma = p["rdma_resources"]
     _need(isinstance(rdma, dict) and all(isinstance(k, str) and "/" in k and isinstance(v, int)
                                          and not isinstance(v, bool) and v >= 1 for k, v in rdma.items()),
@@ -375,7 +382,7 @@ def _engine(role: str, params: dict, cfg: dict, env: list[tuple[str, str]], conf
     if libfabric is not None:
         mounts.append({"name": "nixl-libfabric", "mountPath": libfabric, "readOnly": True})
         volumes.append({"name": "nixl-libfabric", "hostPath": {"path": libfabric, "type": "Directory"}})
-        env_list.append({"name": "LD_LIBRARY_PATH", "value": libfabric})
+        env_list.append({"name": "LD_LIBRARY_PATH", "value": host_libfabric_path(libfabric)})
     values = {
         "name": name, "namespace": params["namespace"], "labels": _labels(role),
         "selector": {"app.kubernetes.io/name": CELL, "app.kubernetes.io/component": role},
@@ -393,6 +400,13 @@ def _configmap(role: str, params: dict, data: dict, config_dir: str) -> dict:
     values = {"name": f"{CELL}-{role}-config", "namespace": params["namespace"],
               "labels": _labels(role), "data": data, "config_dir": config_dir}
     return render_template("configmap.yaml", values)[0]
+
+
+def host_libfabric_path(prefix: str) -> str:
+    """The node's libfabric first (EFA installer: lib on Ubuntu, lib64 on Amazon Linux), then
+    the image's own LD_LIBRARY_PATH, which a pod env var would otherwise replace."""
+    root = prefix.rstrip("/") or "/"
+    return ":".join(filter(None, [posixpath.join(root, "lib"), posixpath.join(root, "lib64"), IMAGE_LD_LIBRARY_PATH]))
 
 
 def nixl_backends(cfg: dict) -> list[str]:
@@ -414,8 +428,8 @@ def check_nixl_backends(params: dict, prefill_cfg: dict, decode_cfg: dict, prefi
     if prefill != decode:
         raise RenderError(f"NIXL backends differ: {prefill_path} uses {prefill}, {decode_path} uses {decode}")
     if "LIBFABRIC" in prefill and params["nixl_host_libfabric"] is None:
-        raise RenderError(f"{prefill_path}: NIXL backend LIBFABRIC needs the node's libfabric 2.x: set "
-                          "nixl_host_libfabric (the AWS EFA installer's /opt/amazon/efa/lib) or use UCX")
+        raise RenderError(f"{prefill_path}: NIXL backend LIBFABRIC needs the node's libfabric with FABRIC_1.10: set "
+                          "nixl_host_libfabric (the AWS EFA installer's prefix, /opt/amazon/efa) or use UCX")
 
 
 def _env_without_per_pod(path: Path) -> list[tuple[str, str]]:

@@ -4,7 +4,11 @@
     IMAGE --model MODEL [flags]             likewise (any leading flag)
     IMAGE vllm serve MODEL ...              any vllm command, as written
     IMAGE prefill|decode|aggregated MODEL [flags]
-                                            the role preset from /etc/glm53/<role>/ (env + vllm.yaml)
+                                            the role preset from /etc/glm53/<role>/ (env + vllm.yaml),
+                                            after the preflight (--skip-preflight or
+                                            GLM53_SKIP_PREFLIGHT=1 skips it)
+    IMAGE preflight ROLE [MODEL]            only the preflight: /dev/shm, /cache, JIT toolchain, NIXL,
+                                            FlashInfer artifacts, GPU, the model's config.json
     IMAGE self-test [--json] [--strict]     check the image without a GPU (one-screen report)
     IMAGE manifest | sbom                   print /opt/glm53/manifest.json or sbom.cdx.json
     IMAGE pd-proxy [args]                   vLLM's NIXL P/D proxy (toy_proxy_server.py of the pinned sdist)
@@ -18,12 +22,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import presets
+from . import identity, presets
 
 HOME = Path(os.environ.get("GLM53_HOME", "/opt/glm53"))
 CONFIG_ROOT = Path(os.environ.get("GLM53_CONFIGS", "/etc/glm53"))
 TOOLS = ("replay", "valkey-stats", "needle", "profile-capture", "kv-sizing")
 PASSTHROUGH = ("bash", "sh", "python", "python3", "pip", "vllm")
+SKIP_FLAG = "--skip-preflight"
+SKIP_ENV = "GLM53_SKIP_PREFLIGHT"
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class Plan:
     env: dict[str, str] = field(default_factory=dict)
     text: str | None = None
     exit_code: int = 0
+    preflight: tuple[str, str] | None = None   # (role, model) to check before exec
 
 
 def _is_program(head: str) -> bool:
@@ -47,6 +54,8 @@ def plan(args: list[str], environ: dict[str, str], home: Path = HOME, config_roo
         return Plan([], text=__doc__)
     head, rest = args[0], args[1:]
     if head in presets.ROLES:
+        skip = SKIP_FLAG in rest or environ.get(SKIP_ENV, "") not in ("", "0")
+        rest = [a for a in rest if a != SKIP_FLAG]
         if not rest or rest[0].startswith("-"):
             model = environ.get("MODEL")
             if not model:
@@ -60,7 +69,9 @@ def plan(args: list[str], environ: dict[str, str], home: Path = HOME, config_roo
         except presets.PresetError as exc:
             return Plan([], text=f"{exc}\n", exit_code=2)
         updates = {k: v for k, v in env.items() if k not in environ}
-        return Plan(preset.command(model, rest), env=updates)
+        return Plan(preset.command(model, rest), env=updates, preflight=None if skip else (head, model))
+    if head == "preflight":
+        return Plan([sys.executable, "-m", "imagectl.preflight", *rest])
     if head == "serve":
         return Plan(["vllm", "serve", *rest])
     if head == "self-test":
@@ -79,6 +90,12 @@ def plan(args: list[str], environ: dict[str, str], home: Path = HOME, config_roo
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Files in /cache stay group-writable for the group 0 every UID of this image runs with.
+    os.umask(0o002)
+    who = identity.identity_env(dict(os.environ))
+    for key in sorted(who):
+        print(f"entrypoint: {key}={who[key]} (uid {os.getuid()} has no usable passwd entry or HOME)", file=sys.stderr)
+    os.environ.update(who)
     chosen = plan(list(sys.argv[1:] if argv is None else argv), dict(os.environ))
     if chosen.text is not None:
         (sys.stderr if chosen.exit_code else sys.stdout).write(chosen.text)
@@ -86,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **chosen.env}
     for key in sorted(chosen.env):
         print(f"entrypoint: {key}={chosen.env[key]} (preset)", file=sys.stderr)
+    if chosen.preflight is not None:
+        from . import preflight
+
+        role, model = chosen.preflight
+        if preflight.preflight(role, model, env, config_root=CONFIG_ROOT) != 0:
+            print(f"entrypoint: the preflight failed; {role} not started (fix above, or {SKIP_FLAG})", file=sys.stderr)
+            return 1
     print(f"entrypoint: exec {' '.join(chosen.argv)}", file=sys.stderr, flush=True)
     try:
         os.execvpe(chosen.argv[0], chosen.argv, env)

@@ -2,6 +2,7 @@
 shard/remote_url consistency, and the Valkey arguments proven on real Valkey 8.1."""
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
@@ -355,22 +356,56 @@ def _configs_with_backends(tmp_path, prefill: str, decode: str):
     return copy
 
 
-def test_gpu_pods_mount_the_nodes_libfabric_for_nixl_over_efa(docs):
+@pytest.mark.parametrize("prefix", [None, "/opt/amazon/efa/"])
+def test_gpu_pods_mount_the_nodes_libfabric_with_lib_and_lib64_first(docs, prefix):
+    """The default (the AWS EFA installer's prefix) and a prefix with a trailing slash."""
+    rendered = docs if prefix is None else render.render(params(nixl_host_libfabric=prefix))
+    lib = prefix or render.load_params(None, [f"image={IMAGE}"])["nixl_host_libfabric"]
+    assert render.load_params(None, [f"image={IMAGE}"])["nixl_host_libfabric"] == "/opt/amazon/efa"
     for role in ("prefill", "decode"):
-        sts = by(docs, "StatefulSet", f"{render.CELL}-{role}")
+        sts = by(rendered, "StatefulSet", f"{render.CELL}-{role}")
         spec = sts["spec"]["template"]["spec"]
-        lib = render.load_params(None, [f"image={IMAGE}"])["nixl_host_libfabric"]
         assert {"name": "nixl-libfabric", "hostPath": {"path": lib, "type": "Directory"}} in spec["volumes"]
         assert {"name": "nixl-libfabric", "mountPath": lib, "readOnly": True} in container(sts)["volumeMounts"]
-        assert {"name": "LD_LIBRARY_PATH", "value": lib} in container(sts)["env"]
+        env = [e for e in container(sts)["env"] if e["name"] == "LD_LIBRARY_PATH"]
+        assert env == [{"name": "LD_LIBRARY_PATH", "value": "/opt/amazon/efa/lib:/opt/amazon/efa/lib64"}]
         assert render.nixl_backends(yaml.safe_load((CONFIGS / role / "vllm.yaml").read_text())) == ["LIBFABRIC"]
 
 
 def test_libfabric_backend_without_the_nodes_libfabric_is_refused():
     with pytest.raises(render.RenderError) as err:
         render.render(params(nixl_host_libfabric="null"))
-    assert "prefill/vllm.yaml: NIXL backend LIBFABRIC needs the node's libfabric" in str(err.value)
+    assert "prefill/vllm.yaml: NIXL backend LIBFABRIC needs the node's libfabric with FABRIC_1.10" in str(err.value)
     assert "nixl_host_libfabric" in str(err.value)
+
+
+def test_an_image_ld_library_path_stays_after_the_nodes(monkeypatch):
+    """A pod env var replaces the image's LD_LIBRARY_PATH: the rendered value keeps it last."""
+    monkeypatch.setattr(render, "IMAGE_LD_LIBRARY_PATH", "/opt/image/lib")
+    assert render.host_libfabric_path("/opt/amazon/efa") == "/opt/amazon/efa/lib:/opt/amazon/efa/lib64:/opt/image/lib"
+
+
+def _runtime_ld_library_path() -> str:
+    """LD_LIBRARY_PATH as the Dockerfile's runtime stage leaves it (ENV lines in order)."""
+    text = (CONFIGS.parent / "Dockerfile").read_text()
+    stage = text[text.index("FROM base AS runtime"):]
+    value = ""
+    for line in stage.replace("\\\n", " ").splitlines():
+        if line.startswith("ENV "):
+            for match in re.finditer(r"LD_LIBRARY_PATH=(\S+)", line):
+                value = re.sub(r"\$\{?LD_LIBRARY_PATH\}?", value, match.group(1)).strip(":")
+    return value
+
+
+def test_the_renderers_image_ld_library_path_is_the_dockerfiles():
+    assert _runtime_ld_library_path() == render.IMAGE_LD_LIBRARY_PATH
+
+
+@pytest.mark.parametrize("value", ["/opt/amazon/efa/lib", "/opt/amazon/efa/lib64/"])
+def test_node_libfabric_library_folder_is_refused(value):
+    with pytest.raises(render.RenderError) as err:
+        params(nixl_host_libfabric=value)
+    assert f"nixl_host_libfabric: {value!r} is a library folder; give the installation prefix" in str(err.value)
 
 
 def test_ucx_clusters_render_without_the_mount(tmp_path):

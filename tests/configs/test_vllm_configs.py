@@ -39,6 +39,31 @@ def test_each_config_parses_with_vllm(checks, role):
     assert check.engine_args.kv_cache_dtype == "fp8"
 
 
+@pytest.mark.parametrize("role", ROLES)
+def test_each_role_pins_the_flashinfer_kernels(checks, role):
+    """A named MoE and attention backend: vLLM raises at start when it cannot run them
+    (oracle/fp8.py _return_or_raise, platforms/cuda.py get_attn_backend_cls) instead of
+    falling back to DeepGEMM/Triton as it does under "auto"."""
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend, map_fp8_backend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    check = checks[role]
+    assert check.moe_backend == "flashinfer_trtllm"
+    assert map_fp8_backend(check.moe_backend) is Fp8MoeBackend.FLASHINFER_TRTLLM
+    assert check.attention_backend is AttentionBackendEnum.FLASHINFER_MLA_SPARSE
+
+
+def test_the_pinned_attention_backend_serves_every_roles_parallelism(checks):
+    """FLASHINFER_MLA_SPARSE refuses PCP and DCP together (supports_combination) and an
+    fp8_ds_mla cache; no role combines them, and all run the FP8 cache it accepts."""
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseTRTLLMBackend
+
+    for check in checks.values():
+        ea = check.engine_args
+        assert not (ea.prefill_context_parallel_size > 1 and ea.decode_context_parallel_size > 1)
+        assert ea.kv_cache_dtype in FlashInferMLASparseTRTLLMBackend.supported_kv_cache_dtypes
+
+
 def test_prefill_parallelism(checks):
     ea = checks["prefill"].engine_args
     assert ea.prefill_context_parallel_size == 8
@@ -142,6 +167,13 @@ BROKEN = {
                         "kv-transfer-config.kv_connector_extra_config.connectors[0].kv_connector",
                         "Unsupported connector type"),
     "profiler": (("profiler: cuda", "profiler: nsys"), "profiler-config.profiler", "'torch', 'cuda' or 'proton'"),
+    "moe-unpinned": (("\nmoe-backend: flashinfer_trtllm\n", "\n"), "moe-backend", "not set"),
+    "moe-auto": (("moe-backend: flashinfer_trtllm", "moe-backend: auto"), "moe-backend", "fall back silently"),
+    "moe-not-fp8": (("moe-backend: flashinfer_trtllm", "moe-backend: flashinfer_cutedsl"), "moe-backend",
+                    "not supported for FP8 MoE"),
+    "attention-unpinned": (("\nattention-backend: FLASHINFER_MLA_SPARSE\n", "\n"), "attention-backend", "not set"),
+    "attention-typo": (("attention-backend: FLASHINFER_MLA_SPARSE", "attention-backend: FLASHINFER_MLA_SPARS"),
+                       "attention-backend", ""),
 }
 
 

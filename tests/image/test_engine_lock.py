@@ -7,7 +7,7 @@ import pytest
 
 from distbuild import engine, lock
 from distbuild.errors import DistBuildError
-from distbuild.pins import Pin
+from distbuild.pins import Pin, load as load_pins
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -92,8 +92,40 @@ def test_the_operator_tools_requirements_are_in_the_image_lock() -> None:
     pins = [_pin("torch", "torch-1.0-cp311-cp311-manylinux_2_28_x86_64.whl", "a" * 64),
             Pin("lmcache", "0.5.5", "sdist", "upstream", "lmcache-0.5.5.tar.gz", "b" * 64, 1, upstream="lmcache"),
             Pin("flashinfer-python", "0.7.0.post1", "sdist", "upstream", "f.tar.gz", "c" * 64, 1,
-                upstream="flashinfer")]
+                upstream="flashinfer"), *TOOLCHAIN]
     assert lock.image_specs(pins, tools)[-len(tools):] == tools
+
+
+TOOLCHAIN = [p for p in load_pins(REPO / "build" / "pins.toml") if p.role == "toolchain"]
+
+
+def _locked_lines(name: str) -> dict[str, tuple[str, str]]:
+    from imagectl.locks import entries_from_lock
+    return entries_from_lock((REPO / "build" / "lock" / name).read_text())
+
+
+def test_the_image_closure_carries_the_toolchains_compiler_and_no_other() -> None:
+    """vLLM 0.31.0 requires humming-kernels[cu13], whose extra asks for nvidia-cuda-nvcc and
+    nvidia-cuda-cccl unversioned: pip alone took nvcc/crt/nvvm 13.5.37 and CCCL 13.3. The lock
+    requires the toolchain's wheels instead, at the pins' files and hashes."""
+    locked = _locked_lines("image.txt")
+    by_name = {p.name: p for p in TOOLCHAIN}
+    for name in lock.JIT_TOOLCHAIN:
+        assert locked[name] == (by_name[name].version, by_name[name].sha256), name
+    assert locked["nvidia-cuda-nvcc"][0] == "13.0.88"
+    specs = lock.image_specs([*TOOLCHAIN, *[p for p in load_pins(REPO / "build" / "pins.toml") if p.role != "toolchain"]])
+    assert "nvidia-cuda-nvcc==13.0.88" in specs and "nvidia-cuda-cccl==13.0.85" in specs
+    assert not any(s.startswith("nvidia-cuda-runtime") for s in specs)   # torch's cuda-toolkit pins the runtime's
+
+
+def test_lock_refuses_a_second_cuda_compiler() -> None:
+    nvcc = next(p for p in TOOLCHAIN if p.name == "nvidia-cuda-nvcc")
+    newer = lock.Locked("nvidia-cuda-nvcc", "13.5.37", "nvidia_cuda_nvcc-13.5.37-py3-none-manylinux2014_x86_64.whl", "d" * 64)
+    with pytest.raises(DistBuildError, match=f"nvidia-cuda-nvcc: pins.toml pins {nvcc.filename} sha256 {nvcc.sha256}, "
+                                             "the index resolved nvidia_cuda_nvcc-13.5.37"):
+        lock.check_against_pins([newer], [nvcc])
+    with pytest.raises(DistBuildError, match="no toolchain pin for nvidia-cuda-nvcc"):
+        lock.jit_toolchain_pins([p for p in TOOLCHAIN if p.name != "nvidia-cuda-nvcc"])
 
 
 def test_requirement_lines_and_a_missing_file(tmp_path: Path) -> None:

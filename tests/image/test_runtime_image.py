@@ -55,14 +55,15 @@ def image() -> tuple[str, str]:
 
 
 def run_image(image: tuple[str, str], *argv: str, out: Path | None = None, timeout: int = 600,
-              stdin: str | None = None) -> subprocess.CompletedProcess:
+              stdin: str | None = None, network: str = "host", extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     engine, ref = image
     mounts = []
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         out.chmod(0o777)  # the image's user (uid 1000) writes there
         mounts = [f"--volume={out}:/out"]
-    cmd = [engine, "run", "--rm", "--network=host", *(["-i"] if stdin is not None else []), *mounts, ref, *argv]
+    cmd = [engine, "run", "--rm", f"--network={network}", *(["-i"] if stdin is not None else []), *mounts, *extra,
+           ref, *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=stdin)
 
 
@@ -182,3 +183,94 @@ def test_deployment_renders_in_the_image(image, tmp_path):
                     "--out", str(expected)], check=True, capture_output=True)
     for name in render.FILES:
         assert (out / name).read_text() == (expected / name).read_text(), name
+
+
+# --- the JIT toolchain, FlashInfer in vLLM, the preflight, an arbitrary UID (--network=none) ---------
+
+def test_vllm_sees_flashinfer_and_the_one_cuda_13_0_compiler(image):
+    code = ("import json, os, subprocess, glob;"
+            "from vllm.utils.flashinfer import has_flashinfer, has_flashinfer_trtllm_fused_moe;"
+            "from flashinfer.jit.cpp_ext import get_cuda_path;"
+            "print(json.dumps({'fi': has_flashinfer(), 'moe': has_flashinfer_trtllm_fused_moe(), 'cuda': get_cuda_path(),"
+            "'nvcc': subprocess.run(['nvcc', '--version'], capture_output=True, text=True).stdout,"
+            "'nvccs': sorted(glob.glob('/opt/venv/lib/python3*/site-packages/**/bin/nvcc', recursive=True))}))")
+    done = run_image(image, "python3", "-c", code, network="none")
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["fi"] is True and got["moe"] is True
+    assert got["cuda"] == "/opt/cuda" and "release 13.0, V13.0.88" in got["nvcc"]
+    assert len(got["nvccs"]) == 1, got["nvccs"]   # no second CUDA compiler in the closure
+
+
+def test_nvcc_compiles_for_sm_103a_with_the_image_toolchain(image, tmp_path):
+    out = tmp_path / "jit"
+    out.mkdir()
+    (out / "k.cu").write_text("__global__ void axpy(float a, const float* x, float* y) {"
+                              " y[threadIdx.x] += a * x[threadIdx.x]; }\n")
+    done = run_image(image, "bash", "-c", "cd /out && nvcc -arch=sm_103a -c k.cu -o k.o && cuobjdump --list-elf k.o",
+                     out=out, network="none")
+    assert done.returncode == 0, done.stderr
+    assert "sm_103a" in done.stdout and (out / "k.o").stat().st_size > 0
+
+
+def test_triton_compiles_its_launcher_stub_against_python_h(image):
+    """Triton's own _build on its CUDA driver source (Python.h + cuda.h, the image's gcc). Without
+    a GPU there is no libcuda.so.1 to link, so the stub is built as a shared object with cu*
+    left unresolved, which is how the link treats them until the driver is mounted."""
+    code = ("import inspect, os, tempfile, triton, triton.runtime.build as b;"
+            "nv = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia');"
+            "d = tempfile.mkdtemp(); src = os.path.join(d, 'main.c');"
+            "open(src, 'w').write(open(os.path.join(nv, 'driver.c')).read());"
+            "print(b._build('cuda_utils', src, d, [], [os.path.join(nv, 'include')], [], []))")
+    done = run_image(image, "python3", "-c", code, network="none")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith(".so")
+
+
+GLM5_FP8 = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "index_topk": 2048, "num_experts_per_tok": 8,
+            "n_routed_experts": 256, "moe_intermediate_size": 2048, "quantization_config": {"quant_method": "fp8"}}
+
+
+def _model(tmp_path: Path) -> str:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(GLM5_FP8))
+    model.chmod(0o755)
+    return f"--volume={model}:/models/GLM-5.3-FP8:ro"
+
+
+def test_preflight_refuses_dockers_default_shm_before_vllm_starts(image, tmp_path):
+    done = run_image(image, "prefill", "/models/GLM-5.3-FP8", network="none",
+                     extra=("--shm-size=64m", _model(tmp_path)), timeout=300)
+    assert done.returncode == 1
+    assert "preflight: FAIL  shm" in done.stderr and "/dev/shm is 64 MiB; the prefill role needs at least 16.0 GiB" in done.stderr
+    assert "fix: run the container with --ipc=host, or --shm-size=64g" in done.stderr
+    assert "prefill not started" in done.stderr and "exec vllm" not in done.stderr
+
+
+def test_preflight_refuses_a_missing_nixl_backend(image, tmp_path):
+    done = run_image(image, "preflight", "decode", "/models/GLM-5.3-FP8", network="none",
+                     extra=("--shm-size=17g", "--env=NIXL_PLUGIN_DIR=/nonexistent", _model(tmp_path)), timeout=300)
+    assert done.returncode == 1
+    assert "preflight: FAIL  nixl backends" in done.stdout and "LIBFABRIC:" in done.stdout
+    assert "libfabric 2.x with the efa provider" in done.stdout
+
+
+def test_preflight_passes_otherwise_and_says_the_gpu_checks_were_skipped(image, tmp_path):
+    done = run_image(image, "preflight", "prefill", "/models/GLM-5.3-FP8", network="none",
+                     extra=("--shm-size=17g", _model(tmp_path)), timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name in ("shm", "cache", "jit toolchain", "nixl backends", "model"):
+        assert f"preflight: PASS  {name}" in done.stdout, name
+    assert "GPU checks skipped" in done.stdout
+
+
+def test_self_test_passes_as_an_arbitrary_uid(image):
+    done = run_image(image, "self-test", "--json", network="none", extra=("--user=1000680000:0",))
+    checks = {c["name"]: c for c in json.loads(done.stdout)}
+    failed = {n: c["detail"] for n, c in checks.items() if c["status"] == "FAIL"}
+    assert done.returncode == 0 and not failed, failed
+    assert "uid 1000680000" in checks["writable caches"]["detail"]
+    assert checks["flashinfer in vllm"]["status"] == "PASS"
+    assert checks["installed files"]["status"] == "PASS"

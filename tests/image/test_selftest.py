@@ -2,9 +2,13 @@
 installed files, shared objects built here and inspected with the real ldd."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -183,6 +187,37 @@ def test_ldd_names_the_libfabric_abi_the_efa_plugin_needs(tmp_path: Path) -> Non
     assert f"LIBFABRIC (NIXL over EFA) needs FABRIC_1.10, which {old} lacks" in check.detail
 
 
+def test_ldd_takes_torchs_cuda_runtime_and_the_driver_as_the_process_has_them(tmp_path: Path) -> None:
+    """nixl-cu13's LIBFABRIC plugin links libcudart.so.13 with no RPATH to it (in vLLM's process
+    torch has loaded it from site-packages/nvidia/cu13/lib) and the driver's libcuda.so.1 (the
+    NVIDIA container runtime mounts it on a GPU node). Libraries built here, real ldd."""
+    plugins = tmp_path / ".nixl_cu13.mesonpy.libs" / "plugins"
+    plugins.mkdir(parents=True)
+    _cc(plugins.parent, "libnixl.so", "int n(void) { return 0; }\n")
+    _cc(plugins, "libplugin_UCX.so", "int u(void) { return 0; }\n")
+    cuda = tmp_path / "nvidia" / "cu13" / "lib"
+    cuda.mkdir(parents=True)
+    # A soname of its own: a CUDA install in the host's ld.so cache must not resolve it.
+    cudart = _cc(cuda, "libcudart-test.so.13", "int cudaSetDevice(int d) { return d; }\n",
+                 "-Wl,-soname,libcudart-test.so.13")
+    driver = _cc(tmp_path, "libcuda.so.1", "int cuInit(unsigned f) { return (int)f; }\n", "-Wl,-soname,libcuda.so.1")
+    fabric = _cc(tmp_path, "libfabric.so.1", "int fi_version(void) { return 1; }\n", "-Wl,-soname,libfabric.so.1")
+    _cc(plugins, "libplugin_LIBFABRIC.so",
+        "int fi_version(void); int cudaSetDevice(int); int cuInit(unsigned);\n"
+        "int p(void) { return fi_version() + cudaSetDevice(0) + cuInit(0); }\n",
+        f"-L{tmp_path}", f"-L{cuda}", "-l:libfabric.so.1", "-l:libcudart-test.so.13", "-l:libcuda.so.1",
+        f"-Wl,-rpath,{tmp_path}")
+    driver.unlink()   # no NVIDIA driver on this machine, as in the image without a GPU
+    check = selftest.check_ldd(selftest.nixl_plugins(tmp_path))
+    assert check.status == "PASS", check.detail
+    assert f"libfabric.so.1 => {fabric}" in check.detail
+    assert "libcuda.so.1 comes from the NVIDIA driver at run time" in check.detail
+    cudart.unlink()   # the CUDA runtime is the image's to carry: its absence counts
+    check = selftest.check_ldd(selftest.nixl_plugins(tmp_path))
+    assert check.status == "WARN" and "LIBFABRIC (NIXL over EFA) unresolved libcudart-test.so.13" in check.detail
+    assert "libcuda.so.1" not in check.detail.split("unresolved", 1)[1].split(":", 1)[0]
+
+
 def test_aot_status(tmp_path: Path) -> None:
     site = tmp_path / "site"
     so = site / "flashinfer" / "data" / "aot" / selftest.AOT_MODULE / f"{selftest.AOT_MODULE}.so"
@@ -245,6 +280,32 @@ def test_requirements_check_is_pips_and_names_what_is_missing(tmp_path: Path) ->
     assert selftest.check_requirements(python).status == "PASS"
 
 
+def test_requirements_check_accepts_only_the_declared_unmet_requirement(tmp_path: Path) -> None:
+    """nixl's meta package requires nixl-cu12 and nixl-cu13; the image installs only cu13
+    (build/distbuild/lock.py IMAGE_NOT_INSTALLED). pip check's line for exactly that passes;
+    any other unmet requirement beside it still fails."""
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--disable-pip-version-check"]
+    wheel = tmp_path / "nixl-1.5.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("nixl/__init__.py", "")
+        zf.writestr("nixl-1.5.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: nixl\nVersion: 1.5.1\n"
+                    "Requires-Dist: nixl-cu12==1.5.1\n")
+        zf.writestr("nixl-1.5.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\n"
+                    "Tag: py3-none-any\n")
+        zf.writestr("nixl-1.5.1.dist-info/RECORD", "")
+    subprocess.run([*pip, str(wheel)], check=True)
+    check = selftest.check_requirements(python)
+    assert check.status == "PASS" and "nixl-cu12" in check.detail and "CUDA 13" in check.detail
+    subprocess.run([*pip, str(_tiny_wheel(tmp_path, "needsdep", ["tinydep>=1"]))], check=True)
+    check = selftest.check_requirements(python)
+    assert check.status == "FAIL" and "tinydep" in check.detail and "nixl-cu12" not in check.detail
+
+
 def test_presets_check_runs_the_validator_and_names_a_bad_key(tmp_path: Path) -> None:
     """The self-test's preset check on a copy of configs/ with one misspelt LMCache key: it runs
     configs/validate.py (vLLM's parser, LMCache's loader) and the failure names file and key."""
@@ -304,4 +365,37 @@ def test_nixl_probe_without_nixl_reports_the_failure(tmp_path: Path) -> None:
     results, _ = selftest.probe_nixl_backends(("UCX",), python=sys.executable)
     if results == {"UCX": "ok"}:
         pytest.skip("this interpreter has NIXL installed")
-    assert results["UCX"].startswith("probe failed:") and "nixl_cu13" in results["UCX"]
+    assert results["UCX"].startswith("probe failed:")
+    assert "nixl._api is missing" in results["UCX"] or "No module named" in results["UCX"], results
+
+
+FI_OK = {"has_flashinfer": True, "has_flashinfer_trtllm_fused_moe": True, "cuda_path": "/opt/cuda", "nvcc_release": "13.0"}
+
+
+def test_flashinfer_in_vllm_verdicts() -> None:
+    assert selftest.check_flashinfer_in_vllm(FI_OK).status == "PASS"
+    off = selftest.check_flashinfer_in_vllm({**FI_OK, "has_flashinfer": False, "has_flashinfer_trtllm_fused_moe": False})
+    assert off.status == "FAIL"   # not a warning: the presets' pinned MoE backend would refuse to start
+    assert off.detail.startswith("vLLM's has_flashinfer() is False; vLLM's has_flashinfer_trtllm_fused_moe() is False")
+    wrong = selftest.check_flashinfer_in_vllm({**FI_OK, "cuda_path": "/usr/local/cuda", "nvcc_release": "13.5"})
+    assert wrong.status == "FAIL" and "get_cuda_path() is /usr/local/cuda, whose nvcc is 13.5, want 13.0" in wrong.detail
+    raised = selftest.check_flashinfer_in_vllm({**FI_OK, "cuda_path_error": "RuntimeError: Could not find nvcc"})
+    assert raised.status == "FAIL" and "get_cuda_path(): RuntimeError: Could not find nvcc" in raised.detail
+
+
+def test_flashinfer_probe_asks_vllm_itself(tmp_path: Path) -> None:
+    """vLLM's own has_flashinfer() in a fresh interpreter: with no flashinfer package it says False
+    (the image's case before this fix was the same verdict with the package and no nvcc)."""
+    pytest.importorskip("vllm")
+    if importlib.util.find_spec("flashinfer") is not None:
+        pytest.fail("this test expects the test environment without FlashInfer", pytrace=False)
+    env_path = tmp_path / "bin"
+    env_path.mkdir()
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from imagectl import selftest; import json;"
+            "print('RESULT', json.dumps(selftest.probe_flashinfer()))")
+    done = subprocess.run([sys.executable, "-c", code, str(REPO / "scripts")], capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{env_path}:/usr/bin:/bin"}, timeout=600)
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert result["has_flashinfer"] is False and result["has_flashinfer_trtllm_fused_moe"] is False
+    check = selftest.check_flashinfer_in_vllm(result)
+    assert check.status == "FAIL" and "vLLM's has_flashinfer() is False" in check.detail

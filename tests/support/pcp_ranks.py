@@ -269,6 +269,7 @@ def _engine_rank(
     scenario: Callable[..., Any],
     engine_options: dict,
     scenario_kwargs: dict,
+    pg_timeout_s: float = 60.0,
 ) -> Any:
     import torch
     import torch.distributed as dist
@@ -279,7 +280,7 @@ def _engine_rank(
         init_method=f"file://{workdir}/rendezvous",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=60),
+        timeout=timedelta(seconds=pg_timeout_s),
     )
     from lmcache.v1.pcp_collectives import PCPCollectives
 
@@ -333,10 +334,13 @@ def run_ranks(
     *,
     timeout_s: float = 180.0,
     engine_options: dict | None = None,
+    pg_timeout_s: float = 60.0,
     **scenario_kwargs: Any,
 ) -> list[Any]:
     """Run ``scenario`` on ``world_size`` real ranks, each with a sharded
-    engine on a real PCP group; return their results (see run_processes)."""
+    engine on a real PCP group; return their results (see run_processes).
+    ``pg_timeout_s`` is the process groups' timeout: a collective that a
+    peer never enters raises after it."""
     return run_processes(
         world_size,
         _engine_rank,
@@ -345,6 +349,7 @@ def run_ranks(
         scenario=scenario,
         engine_options=dict(engine_options or {}),
         scenario_kwargs=scenario_kwargs,
+        pg_timeout_s=pg_timeout_s,
     )
 
 

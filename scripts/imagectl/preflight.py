@@ -1,0 +1,320 @@
+"""Preflight of a serving container, before any weight is read: ``IMAGE preflight ROLE MODEL``.
+
+The entrypoint runs it before a role preset starts vLLM (``--skip-preflight`` or
+``GLM53_SKIP_PREFLIGHT=1`` skip it). In seconds it checks what would otherwise fail minutes
+into a start, or not at all:
+
+- ``/dev/shm`` is large enough (Docker gives 64 MiB; NCCL over 8 GPUs fails there);
+- ``/cache`` is writable by this UID;
+- the JIT toolchain answers: ``$CUDA_HOME/bin/nvcc`` is CUDA 13.0, a C++ compiler and
+  ``Python.h`` are there (FlashInfer, DeepGEMM and Triton compile at first use);
+- the NIXL backends the role's preset names instantiate;
+- FlashInfer's artifact set (``FLASHINFER_CUBIN_DIR``) is present;
+- where a GPU is visible: compute capability 10.3 (the image's kernels are sm_103a) and a
+  CUDA 13 driver; without one, a warning that says the GPU checks were skipped;
+- the model's ``config.json``: an architecture the presets serve (``GlmMoeDsaForCausalLM``)
+  with the shapes their attention backend accepts; anything else is refused, naming why.
+
+Each failure names its fix. Exit 1 on a FAIL.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from .presets import ROLES
+
+CONFIG_ROOT = Path(os.environ.get("GLM53_CONFIGS", "/etc/glm53"))
+GIB = 1 << 30
+# /dev/shm per role. NCCL's shared-memory transport between the 8 ranks and vLLM's
+# shared-memory message queues live there; vLLM's own multi-GPU recipes run with
+# --shm-size=16G (docs/serving/parallelism_scaling.md). The deployment gives 64Gi.
+MIN_SHM = {"prefill": 16 * GIB, "decode": 16 * GIB, "aggregated": 16 * GIB}
+SHM_FIX = ("run the container with --ipc=host, or --shm-size=64g (docker/podman); on Kubernetes mount a "
+           "memory-backed emptyDir at /dev/shm (configs/deploy: shm_size)")
+CUDA_RELEASE = "13.0"
+SERVED_ARCHITECTURES = {
+    "GlmMoeDsaForCausalLM": "MLA with DeepSeek-V3.2's sparse indexer (vLLM 0.31.0: vllm/models/deepseek_v32)",
+}
+HYBRID_WHY = ("GLM-5.3-Flash, vLLM 0.31.0's vllm/models/glm5next: a hybrid linear-attention (KDA) model "
+              "(IsHybrid) that needs the hybrid KV cache manager, which the prefill preset's LMCacheConnectorV1 "
+              "turns off and the decode preset disables to match it (NIXL pairs only equal HMA states); "
+              "serve it without these presets")
+REFUSED_ARCHITECTURES = {"Glm5NextForCausalLM": HYBRID_WHY, "Glm5NextForConditionalGeneration": HYBRID_WHY}
+NIXL_FIXES = {
+    "LIBFABRIC": "NIXL over EFA needs libfabric 2.x with the efa provider (the image's /opt/libfabric, or the "
+                 "node's AWS EFA libfabric mounted and put first on LD_LIBRARY_PATH) and the EFA devices "
+                 "(--device /dev/infiniband/...); on InfiniBand/RoCE set backends: [UCX] on both roles",
+    "UCX": "UCX is bundled in nixl-cu13: a derived image that removed nixl_cu13.libs or its plugins breaks it",
+}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str   # PASS, WARN, FAIL
+    detail: str
+    fix: str = ""
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.0f} MiB"
+
+
+def check_shm(role: str, path: Path = Path("/dev/shm"), minimum: int | None = None) -> Check:
+    need = MIN_SHM.get(role, max(MIN_SHM.values())) if minimum is None else minimum
+    try:
+        st = os.statvfs(path)
+    except OSError as exc:
+        return Check("shm", "FAIL", f"{path}: {exc.strerror}", SHM_FIX)
+    have = st.f_blocks * st.f_frsize
+    if have < need:
+        return Check("shm", "FAIL", f"{path} is {_size(have)}; the {role} role needs at least {_size(need)} "
+                     "(NCCL across 8 GPUs, vLLM's shared-memory queues)", SHM_FIX)
+    return Check("shm", "PASS", f"{path} is {_size(have)} (>= {_size(need)})")
+
+
+def check_cache(path: Path = Path("/cache")) -> Check:
+    fix = (f"mount a writable volume at {path} (docker: -v glm53-cache:{path}); for another UID make it group 0 "
+           "with group write (chgrp -R 0, chmod -R g+rwX) or owned by that UID")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".preflight-"):
+            pass
+    except OSError as exc:
+        return Check("cache", "FAIL", f"{path} is not writable as uid {os.getuid()} gid {os.getgid()}: "
+                     f"{exc.strerror}", fix)
+    return Check("cache", "PASS", f"{path} writable as uid {os.getuid()}")
+
+
+def nvcc_release(nvcc: Path, timeout: float = 30) -> str | None:
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=timeout).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"release (\d+\.\d+),", out)
+    return found.group(1) if found else None
+
+
+def check_jit(environ: dict[str, str], release: str = CUDA_RELEASE,
+              include_dir: str | None = None, which: Callable[[str], str | None] = shutil.which) -> Check:
+    """FlashInfer's get_cuda_path() reads CUDA_HOME first; its ninja files call $CUDA_HOME/bin/nvcc
+    and c++, and include sysconfig's include dir (Python.h), as Triton's launcher stub does."""
+    fix = "the image's JIT toolchain is /opt/cuda (CUDA_HOME), g++ and python3-dev: a derived image must keep them"
+    problems = []
+    cuda_home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    if not cuda_home:
+        problems.append("CUDA_HOME is not set")
+    else:
+        got = nvcc_release(Path(cuda_home) / "bin" / "nvcc")
+        if got != release:
+            problems.append(f"{cuda_home}/bin/nvcc " + (f"is CUDA {got}, want {release}" if got else "does not answer"))
+    compiler = environ.get("CXX") or which("c++") or which("g++")
+    if not compiler:
+        problems.append("no C++ compiler (c++/g++)")
+    include = Path(include_dir or sysconfig.get_paths()["include"])
+    if not (include / "Python.h").is_file():
+        problems.append(f"no {include}/Python.h")
+    if problems:
+        return Check("jit toolchain", "FAIL", "; ".join(problems), fix)
+    return Check("jit toolchain", "PASS", f"nvcc {release} at {cuda_home}/bin, {compiler}, {include}/Python.h")
+
+
+def preset_nixl_backends(vllm_yaml: Path) -> list[str]:
+    """The NIXL backends a preset's vllm.yaml selects (NixlConnector's default: UCX)."""
+    import yaml
+
+    data = yaml.safe_load(vllm_yaml.read_text()) or {}
+    found: list[str] = []
+
+    def visit(ktc: dict) -> None:
+        if not isinstance(ktc, dict):
+            return
+        extra = ktc.get("kv_connector_extra_config") or {}
+        if ktc.get("kv_connector") == "NixlConnector":
+            found.extend(b for b in (extra.get("backends") or ["UCX"]) if b not in found)
+        for child in extra.get("connectors") or []:
+            visit(child)
+
+    visit(data.get("kv-transfer-config") or data.get("kv_transfer_config") or {})
+    return found
+
+
+def check_nixl(backends: list[str], probe: Callable[[tuple[str, ...]], tuple[dict[str, str], str]]) -> Check:
+    if not backends:
+        return Check("nixl backends", "PASS", "the preset uses no NIXL connector")
+    results, note = probe(tuple(backends))
+    bad = {b: results.get(b, "not probed") for b in backends if results.get(b) != "ok"}
+    if bad:
+        return Check("nixl backends", "FAIL", "; ".join(f"{b}: {why}" for b, why in bad.items()),
+                     " ".join(NIXL_FIXES.get(b, f"the NIXL plugin for {b}") for b in bad))
+    return Check("nixl backends", "PASS", f"{', '.join(backends)} instantiated" + (f" ({note})" if note else ""))
+
+
+def check_flashinfer_artifacts(environ: dict[str, str]) -> Check:
+    """FlashInfer's verified artifact set (trtllm-gen cubins and headers), which the image carries in
+    FLASHINFER_CUBIN_DIR when it was built with one; without it FlashInfer downloads at first use."""
+    cubin_dir = environ.get("FLASHINFER_CUBIN_DIR", "")
+    if not cubin_dir:
+        return Check("flashinfer artifacts", "WARN", "FLASHINFER_CUBIN_DIR is unset: this image has no FlashInfer "
+                     "artifact set, so FlashInfer downloads trtllm-gen cubins from its store at first use (an "
+                     "air-gapped node fails there)",
+                     "build the image with the set (`make flashinfer-artifacts`, then `make image`), or mount a "
+                     "verified set and set FLASHINFER_CUBIN_DIR to it")
+    root = Path(cubin_dir)
+    files = [p for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
+    if not files:
+        return Check("flashinfer artifacts", "FAIL", f"FLASHINFER_CUBIN_DIR={cubin_dir} is "
+                     + ("empty" if root.is_dir() else "missing"),
+                     "point FLASHINFER_CUBIN_DIR at the image's set (/opt/flashinfer/cubins) or a mounted one")
+    return Check("flashinfer artifacts", "PASS", f"{len(files)} files under {cubin_dir}")
+
+
+def nvidia_smi() -> str | None:
+    """``nvidia-smi`` output (the header names the driver's CUDA version) plus one CSV line per GPU,
+    or None where no GPU is visible."""
+    binary = shutil.which("nvidia-smi")
+    if binary is None:
+        return None
+    try:
+        head = subprocess.run([binary], capture_output=True, text=True, timeout=30)
+        rows = subprocess.run([binary, "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if rows.returncode != 0 or not rows.stdout.strip():
+        return None
+    return head.stdout + "\n" + rows.stdout
+
+
+def check_gpu(smi: str | None) -> Check:
+    if smi is None:
+        return Check("gpu", "WARN", "no GPU visible: compute capability and driver not checked (GPU checks skipped)",
+                     "on a GPU node run with --gpus all (docker) or --device nvidia.com/gpu=all (podman, CDI)")
+    cuda = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", smi)
+    rows = [line.split(",") for line in smi.splitlines() if line.count(",") == 2]
+    gpus = [(name.strip(), cap.strip(), drv.strip()) for name, cap, drv in rows]
+    problems = []
+    wrong = sorted({f"{n} (compute capability {c})" for n, c, _ in gpus if c != "10.3"})
+    if wrong:
+        problems.append(f"{', '.join(wrong)}: this image's kernels are sm_103a only (B300, compute capability 10.3)")
+    if cuda is None or int(cuda.group(1)) < 13:
+        driver = gpus[0][2] if gpus else "?"
+        problems.append(f"driver {driver} supports CUDA {cuda.group(1) + '.' + cuda.group(2) if cuda else '?'}; "
+                        "torch and the kernels here are CUDA 13 (driver R580 or newer)")
+    if problems:
+        return Check("gpu", "FAIL", "; ".join(problems),
+                     "run on a B300 node (p6-b300) with an R580+ NVIDIA driver")
+    return Check("gpu", "PASS", f"{len(gpus)} x {gpus[0][0]} (10.3), driver {gpus[0][2]}, CUDA {cuda.group(1)}.{cuda.group(2)}")
+
+
+def check_model(model: str | None) -> Check:
+    """The model's config.json against what the presets serve (configs/README.md, "Kernels and model")."""
+    fix = "serve GLM-5.3 FP8 (GlmMoeDsaForCausalLM) with these presets, or run `IMAGE vllm serve ...` without them"
+    if not model:
+        return Check("model", "FAIL", "no model given", "pass the model folder: IMAGE <role> /models/GLM-5.3-FP8")
+    config_path = Path(model) / "config.json"
+    if not Path(model).is_dir():
+        return Check("model", "WARN", f"{model} is not a local folder: its architecture is checked by vLLM only "
+                     "after it is downloaded", "mount the weights and pass the folder (-v /models:/models:ro)")
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        return Check("model", "FAIL", f"{config_path} missing", "mount the model's whole folder (config.json with the weights)")
+    except (OSError, ValueError) as exc:
+        return Check("model", "FAIL", f"{config_path}: {exc}", "mount an intact copy of the model")
+    archs = config.get("architectures") or []
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for arch in archs:
+        if arch in REFUSED_ARCHITECTURES:
+            return Check("model", "FAIL", f"{arch} is {REFUSED_ARCHITECTURES[arch]}", fix)
+    served = [a for a in archs if a in SERVED_ARCHITECTURES]
+    if not served:
+        return Check("model", "FAIL", f"architectures {archs or 'missing'}: the presets serve "
+                     f"{', '.join(SERVED_ARCHITECTURES)} only", fix)
+    problems = []
+    quant = (config.get("quantization_config") or {}).get("quant_method")
+    if quant != "fp8":
+        problems.append(f"quantization_config.quant_method is {quant!r}: the presets serve the FP8 checkpoint "
+                        "(moe-backend flashinfer_trtllm through vLLM's FP8 MoE oracle)")
+    # FLASHINFER_MLA_SPARSE's own rules (vllm/v1/attention/backends/mla/flashinfer_mla_sparse.py).
+    if "index_topk" not in text:
+        problems.append("no index_topk: not a sparse-indexer model, which attention-backend FLASHINFER_MLA_SPARSE needs")
+    rope, nope, rank = text.get("qk_rope_head_dim"), text.get("qk_nope_head_dim"), text.get("kv_lora_rank")
+    if rope == 0 and (nope, rank) != (256, 512):
+        problems.append(f"no-rope MLA with qk_nope_head_dim={nope}, kv_lora_rank={rank}: FLASHINFER_MLA_SPARSE needs 256/512")
+    elif rope and nope not in (128, 192):
+        problems.append(f"qk_nope_head_dim={nope}: FLASHINFER_MLA_SPARSE needs 128 or 192")
+    if problems:
+        return Check("model", "FAIL", f"{served[0]}: " + "; ".join(problems), fix)
+    grid = f"top-{text.get('num_experts_per_tok', '?')} of {text.get('n_routed_experts', '?')} experts, " \
+           f"{text.get('moe_intermediate_size', '?')} wide"
+    return Check("model", "PASS", f"{served[0]} ({SERVED_ARCHITECTURES[served[0]]}), FP8, {grid}")
+
+
+def run_checks(role: str, model: str | None, environ: dict[str, str], config_root: Path = CONFIG_ROOT,
+               shm: Path = Path("/dev/shm"), cache: Path = Path("/cache"),
+               probe: Callable | None = None, smi: Callable[[], str | None] = nvidia_smi) -> list[Check]:
+    if probe is None:
+        from .selftest import probe_nixl_backends as probe
+    checks = [check_shm(role, shm), check_cache(cache), check_jit(environ)]
+    vllm_yaml = config_root / role / "vllm.yaml"
+    try:
+        checks.append(check_nixl(preset_nixl_backends(vllm_yaml), probe))
+    except (OSError, ValueError) as exc:
+        checks.append(Check("nixl backends", "FAIL", f"{vllm_yaml}: {exc}", "the image ships the presets in /etc/glm53"))
+    checks.append(check_flashinfer_artifacts(environ))
+    checks.append(check_gpu(smi()))
+    checks.append(check_model(model))
+    return checks
+
+
+def render(checks: list[Check], seconds: float) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        lines.append(f"preflight: {c.status:4}  {c.name:<{width}}  {c.detail}")
+        if c.status != "PASS" and c.fix:
+            lines.append(f"preflight:       {'':<{width}}  fix: {c.fix}")
+    fails = sum(c.status == "FAIL" for c in checks)
+    lines.append(f"preflight: {'FAILED' if fails else 'ok'} in {seconds:.1f} s ({fails} fail, "
+                 f"{sum(c.status == 'WARN' for c in checks)} warn); skip with --skip-preflight or GLM53_SKIP_PREFLIGHT=1")
+    return "\n".join(lines) + "\n"
+
+
+def preflight(role: str, model: str | None, environ: dict[str, str], out=sys.stderr, **kwargs) -> int:
+    started = time.monotonic()
+    checks = run_checks(role, model, environ, **kwargs)
+    out.write(render(checks, time.monotonic() - started))
+    out.flush()
+    return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="preflight", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("role", choices=ROLES)
+    p.add_argument("model", nargs="?", default=os.environ.get("MODEL"))
+    p.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="the shared-memory mount to measure")
+    p.add_argument("--cache", type=Path, default=Path("/cache"))
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.json:
+        checks = run_checks(args.role, args.model, dict(os.environ), shm=args.shm, cache=args.cache)
+        print(json.dumps([asdict(c) for c in checks], indent=1))
+        return 1 if any(c.status == "FAIL" for c in checks) else 0
+    return preflight(args.role, args.model, dict(os.environ), out=sys.stdout, shm=args.shm, cache=args.cache)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

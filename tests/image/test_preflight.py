@@ -1,0 +1,301 @@
+"""The container-start preflight (scripts/imagectl/preflight.py) on real parts: /dev/shm sizes
+read with statvfs from real tmpfs mounts, real config.json files, a real nvcc (the pinned
+toolchain's, when built here), the shipped presets, and the entrypoint that runs it.
+
+The NIXL probe is the self-test's real probe in the image (tests/image/test_runtime_image.py);
+here it is replaced by a function returning a probe's answer, since nixl-cu13 is not installed
+in the test environment: the tests check what the preflight makes of an answer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from imagectl import entrypoint, identity, preflight
+
+from .conftest import REPO
+
+CONFIGS = REPO / "configs"
+TOOLCHAIN = REPO / "work" / "toolchain"
+GIB = 1 << 30
+
+# GLM-5's attention geometry (tests/lmcache/glm5_vllm_kv.py) with the write-up's MoE grid.
+GLM5_FP8 = {
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+    "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "v_head_dim": 256,
+    "index_topk": 2048, "num_experts_per_tok": 8, "n_routed_experts": 256, "moe_intermediate_size": 2048,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+}
+
+
+def model_dir(tmp_path: Path, config: dict | None, name: str = "model") -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """A real tmpfs of a given size (root and mount(2) needed: both are there where make test runs)."""
+    mounted: list[Path] = []
+
+    def make(size: str) -> Path:
+        where = tmp_path / f"shm-{size}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.fail(f"cannot mount a tmpfs here ({done.stderr.strip()}); the shm tests need root", pytrace=False)
+        mounted.append(where)
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def test_docker_default_shm_is_refused_with_its_fix(tmpfs) -> None:
+    check = preflight.check_shm("prefill", tmpfs("64m"))
+    assert check.status == "FAIL"
+    assert "is 64 MiB; the prefill role needs at least 16.0 GiB" in check.detail
+    assert "--ipc=host" in check.fix and "--shm-size=64g" in check.fix
+
+
+def test_a_large_enough_shm_passes(tmpfs) -> None:
+    check = preflight.check_shm("decode", tmpfs("17g"))   # tmpfs size is a limit, nothing is allocated
+    assert check.status == "PASS" and "17.0 GiB" in check.detail
+
+
+def test_shm_threshold_is_read_from_statvfs(tmp_path: Path) -> None:
+    st = os.statvfs(tmp_path)
+    size = st.f_blocks * st.f_frsize
+    assert preflight.check_shm("aggregated", tmp_path, minimum=size).status == "PASS"
+    assert preflight.check_shm("aggregated", tmp_path, minimum=size + 1).status == "FAIL"
+    assert preflight.check_shm("aggregated", tmp_path / "absent").status == "FAIL"
+
+
+def test_cache_must_be_writable(tmp_path: Path) -> None:
+    good = tmp_path / "cache"
+    assert preflight.check_cache(good).status == "PASS"
+    assert not any(good.iterdir())   # the probe file is gone
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        if os.access(locked, os.W_OK):
+            # root ignores mode bits: a read-only bind mount is a real read-only /cache for root.
+            done = subprocess.run(["mount", "--bind", "-o", "ro", str(locked), str(locked)], capture_output=True)
+            assert done.returncode == 0, done.stderr
+            try:
+                check = preflight.check_cache(locked)
+            finally:
+                subprocess.run(["umount", str(locked)], capture_output=True)
+        else:
+            check = preflight.check_cache(locked)
+    finally:
+        locked.chmod(0o755)
+    assert check.status == "FAIL" and "not writable" in check.detail
+    assert "-v glm53-cache:" in check.fix and "chmod -R g+rwX" in check.fix
+
+
+def _toolchain_home() -> Path:
+    found = sorted(TOOLCHAIN.glob("lib/python3*/site-packages/nvidia/cu13"))
+    if not found or not (found[0] / "bin" / "nvcc").is_file():
+        pytest.fail("the pinned toolchain is not in work/toolchain (python -m distbuild toolchain makes it)",
+                    pytrace=False)
+    return found[0]
+
+
+def test_jit_toolchain_with_the_pinned_nvcc(tmp_path: Path) -> None:
+    home = _toolchain_home()
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").is_file():
+        pytest.fail(f"{include}/Python.h missing on this host", pytrace=False)
+    assert preflight.nvcc_release(home / "bin" / "nvcc") == "13.0"
+    check = preflight.check_jit({"CUDA_HOME": str(home)})
+    assert check.status == "PASS", check.detail
+    wrong = preflight.check_jit({"CUDA_HOME": str(home)}, release="13.5")
+    assert wrong.status == "FAIL" and "is CUDA 13.0, want 13.5" in wrong.detail
+    none = preflight.check_jit({}, include_dir=str(tmp_path), which=lambda _: None)
+    assert none.status == "FAIL"
+    assert none.detail == f"CUDA_HOME is not set; no C++ compiler (c++/g++); no {tmp_path}/Python.h"
+    assert "/opt/cuda" in none.fix
+
+
+def test_presets_name_their_nixl_backends() -> None:
+    assert preflight.preset_nixl_backends(CONFIGS / "prefill" / "vllm.yaml") == ["LIBFABRIC"]
+    assert preflight.preset_nixl_backends(CONFIGS / "decode" / "vllm.yaml") == ["LIBFABRIC"]
+    assert preflight.preset_nixl_backends(CONFIGS / "aggregated" / "vllm.yaml") == []
+
+
+def test_a_backend_that_does_not_instantiate_is_refused_with_the_plugin_named() -> None:
+    answer = {"LIBFABRIC": "nixlNotFoundError: NIXL_ERR_NOT_FOUND"}
+    check = preflight.check_nixl(["LIBFABRIC"], lambda names: (answer, ""))
+    assert check.status == "FAIL" and check.detail == "LIBFABRIC: nixlNotFoundError: NIXL_ERR_NOT_FOUND"
+    assert "libfabric 2.x" in check.fix and "backends: [UCX]" in check.fix
+    ok = preflight.check_nixl(["LIBFABRIC", "UCX"], lambda names: ({n: "ok" for n in names}, ""))
+    assert ok.status == "PASS" and ok.detail == "LIBFABRIC, UCX instantiated"
+    assert preflight.check_nixl([], lambda names: pytest.fail("no probe without NIXL")).status == "PASS"
+
+
+def test_flashinfer_artifacts(tmp_path: Path) -> None:
+    unset = preflight.check_flashinfer_artifacts({})
+    assert unset.status == "WARN" and "air-gapped" in unset.detail and "make flashinfer-artifacts" in unset.fix
+    empty = tmp_path / "cubins"
+    empty.mkdir()
+    assert preflight.check_flashinfer_artifacts({"FLASHINFER_CUBIN_DIR": str(empty)}).status == "FAIL"
+    assert "missing" in preflight.check_flashinfer_artifacts({"FLASHINFER_CUBIN_DIR": str(tmp_path / "x")}).detail
+    (empty / "a" / "b.cubin").parent.mkdir()
+    (empty / "a" / "b.cubin").write_bytes(b"\x7fELF")
+    assert preflight.check_flashinfer_artifacts({"FLASHINFER_CUBIN_DIR": str(empty)}).status == "PASS"
+
+
+B300 = ("+---------------------------------------------------------------------------------------+\n"
+        "| NVIDIA-SMI 580.95.05   Driver Version: 580.95.05   CUDA Version: 13.0                  |\n"
+        "\nNVIDIA B300 SXM6 AC, 10.3, 580.95.05\nNVIDIA B300 SXM6 AC, 10.3, 580.95.05\n")
+
+
+def test_gpu_checks_on_nvidia_smi_output() -> None:
+    assert preflight.check_gpu(B300).status == "PASS"
+    assert "2 x NVIDIA B300 SXM6 AC (10.3)" in preflight.check_gpu(B300).detail
+    h200 = B300.replace("NVIDIA B300 SXM6 AC, 10.3", "NVIDIA H200, 9.0")
+    check = preflight.check_gpu(h200)
+    assert check.status == "FAIL" and "NVIDIA H200 (compute capability 9.0): this image's kernels are sm_103a" in check.detail
+    old = B300.replace("CUDA Version: 13.0", "CUDA Version: 12.8").replace("580.95.05", "570.86.15")
+    assert "driver 570.86.15 supports CUDA 12.8" in preflight.check_gpu(old).detail
+    none = preflight.check_gpu(None)
+    assert none.status == "WARN" and "GPU checks skipped" in none.detail
+
+
+@pytest.mark.gpu
+def test_gpu_check_on_this_node() -> None:
+    smi = preflight.nvidia_smi()
+    assert smi is not None, "no GPU visible"
+    assert preflight.check_gpu(smi).status == "PASS"
+
+
+def test_the_served_model_passes(tmp_path: Path) -> None:
+    check = preflight.check_model(str(model_dir(tmp_path, GLM5_FP8)))
+    assert check.status == "PASS"
+    assert check.detail.startswith("GlmMoeDsaForCausalLM (MLA with DeepSeek-V3.2's sparse indexer")
+    assert "top-8 of 256 experts, 2048 wide" in check.detail
+
+
+GLM53_FLASH = {"architectures": ["Glm5NextForCausalLM"], "model_type": "glm5_next_text",
+               "quantization_config": {"quant_method": "fp8"}}
+
+
+@pytest.mark.parametrize("config, reason", [
+    (GLM53_FLASH, "Glm5NextForCausalLM is GLM-5.3-Flash, vLLM 0.31.0's vllm/models/glm5next: a hybrid "
+                  "linear-attention (KDA) model (IsHybrid) that needs the hybrid KV cache manager"),
+    ({**GLM5_FP8, "architectures": ["DeepseekV3ForCausalLM"]},
+     "architectures ['DeepseekV3ForCausalLM']: the presets serve GlmMoeDsaForCausalLM only"),
+    ({k: v for k, v in GLM5_FP8.items() if k != "quantization_config"},
+     "quantization_config.quant_method is None: the presets serve the FP8 checkpoint"),
+    ({k: v for k, v in GLM5_FP8.items() if k != "index_topk"},
+     "no index_topk: not a sparse-indexer model"),
+    ({**GLM5_FP8, "qk_nope_head_dim": 64}, "qk_nope_head_dim=64: FLASHINFER_MLA_SPARSE needs 128 or 192"),
+])
+def test_a_model_the_presets_cannot_serve_is_refused_naming_why(tmp_path: Path, config: dict, reason: str) -> None:
+    check = preflight.check_model(str(model_dir(tmp_path, config)))
+    assert check.status == "FAIL"
+    assert reason in check.detail
+    assert "vllm serve" in check.fix
+
+
+def test_a_missing_or_broken_config_json(tmp_path: Path) -> None:
+    missing = preflight.check_model(str(model_dir(tmp_path, None)))
+    assert missing.status == "FAIL" and missing.detail.endswith("config.json missing")
+    broken = model_dir(tmp_path, None, "broken")
+    (broken / "config.json").write_text("{not json")
+    assert preflight.check_model(str(broken)).status == "FAIL"
+    assert preflight.check_model("zai-org/GLM-5.3-FP8").status == "WARN"   # a hub id: vLLM downloads it
+
+
+def _probe_ok(names):
+    return {n: "ok" for n in names}, ""
+
+
+def test_run_checks_and_render_in_seconds(tmp_path: Path, tmpfs) -> None:
+    env = {"CUDA_HOME": str(_toolchain_home())}
+    model = str(model_dir(tmp_path, GLM5_FP8))
+    checks = preflight.run_checks("prefill", model, env, config_root=CONFIGS, shm=tmpfs("64m"),
+                                  cache=tmp_path / "cache", probe=_probe_ok, smi=lambda: None)
+    by = {c.name: c.status for c in checks}
+    assert by == {"shm": "FAIL", "cache": "PASS", "jit toolchain": "PASS", "nixl backends": "PASS",
+                  "flashinfer artifacts": "WARN", "gpu": "WARN", "model": "PASS"}
+    text = preflight.render(checks, 1.2)
+    assert "preflight: FAIL  shm" in text and "fix: run the container with --ipc=host" in text
+    assert text.rstrip().splitlines()[-1].startswith("preflight: FAILED in 1.2 s (1 fail, 2 warn)")
+
+
+def test_entrypoint_runs_the_preflight_before_a_role_and_can_skip_it() -> None:
+    chosen = entrypoint.plan(["prefill", "/models/GLM-5.3-FP8", "--port", "8100"], {}, config_root=CONFIGS)
+    assert chosen.preflight == ("prefill", "/models/GLM-5.3-FP8")
+    skipped = entrypoint.plan(["decode", "/m", "--skip-preflight", "--port", "1"], {}, config_root=CONFIGS)
+    assert skipped.preflight is None and skipped.argv[-2:] == ["--port", "1"] and "--skip-preflight" not in skipped.argv
+    assert entrypoint.plan(["decode", "/m"], {"GLM53_SKIP_PREFLIGHT": "1"}, config_root=CONFIGS).preflight is None
+    assert entrypoint.plan(["vllm", "serve", "/m"], {}).preflight is None   # the upstream form: no preset, no preflight
+    assert entrypoint.plan(["preflight", "prefill", "/m"], {}).argv[1:] == ["-m", "imagectl.preflight", "prefill", "/m"]
+
+
+def test_entrypoint_refuses_to_start_when_the_preflight_fails(tmp_path: Path) -> None:
+    """The real entrypoint script: a model the presets cannot serve stops it before vLLM."""
+    model = model_dir(tmp_path, GLM53_FLASH)
+    env = {**os.environ, "GLM53_CONFIGS": str(CONFIGS), "PYTHONPATH": str(REPO / "scripts")}
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "entrypoint"), "prefill", str(model)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1
+    assert "preflight: FAIL  model" in done.stderr and "Glm5NextForCausalLM is GLM-5.3-Flash" in done.stderr
+    assert "the preflight failed; prefill not started" in done.stderr
+    assert "exec vllm" not in done.stderr
+
+
+def test_identity_for_a_uid_without_a_passwd_entry(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+
+    def unknown(uid):
+        raise KeyError(uid)
+
+    got = identity.identity_env({"HOME": "/"}, uid=1000680000, lookup=unknown, homes=(tmp_path / "no", home))
+    assert got == {"USER": "uid1000680000", "LOGNAME": "uid1000680000", "HOME": str(home)}
+    assert identity.identity_env({"HOME": str(home), "USER": "me"}, uid=1000680000, lookup=unknown) == \
+        {"LOGNAME": "uid1000680000"}
+    assert identity.identity_env({"HOME": str(home)}, uid=os.getuid()) == {}   # a known UID keeps its own
+
+
+def test_getuser_works_for_an_unknown_uid_with_the_identity_env(tmp_path: Path) -> None:
+    """getpass.getuser() (torch's inductor cache dir) raises for a UID not in /etc/passwd unless
+    USER/LOGNAME is set: run it as such a UID (root here can setuid) with and without."""
+    if os.getuid() != 0:
+        pytest.fail("needs root to run a process as a UID without a passwd entry", pytrace=False)
+    # Imports first: this interpreter's files are not readable once it is that UID.
+    code = ("import os, getpass, sys; sys.path.insert(0, sys.argv[1]); from imagectl import identity;"
+            "os.setgid(0); os.setuid(1000680000); os.environ.update(identity.identity_env(dict(os.environ)));"
+            "print(getpass.getuser(), os.environ['HOME'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME", "LNAME", "USERNAME")}
+    env["HOME"] = "/"
+    done = subprocess.run([sys.executable, "-c", code, str(REPO / "scripts")], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    user, home = done.stdout.split()
+    assert user == "uid1000680000" and home == "/tmp"   # no /home/serve here; /tmp is writable
+    bare = subprocess.run([sys.executable, "-c", "import os, getpass; os.setuid(1000680000); getpass.getuser()"],
+                          capture_output=True, text=True, env=env)
+    assert bare.returncode != 0 and "getpwuid" in bare.stderr   # what the fallback prevents
+
+
+def test_dockerfile_gives_caches_and_home_to_group_0() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    runtime = text[text.index("FROM base AS runtime"):]
+    assert "useradd --create-home --uid 1000 --gid 0" in runtime
+    assert "chown -R 1000:0 /cache /home/serve" in runtime and "chmod -R g+rwX /cache /home/serve" in runtime
+    assert "\nUSER 1000:0\n" in runtime
