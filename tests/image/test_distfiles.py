@@ -34,7 +34,7 @@ def make_wheel(out: Path, name: str, files: dict[str, bytes]) -> Path:
     return wheel
 
 
-def pip_install(target: Path, *wheels: Path) -> None:
+def pip_install(target: Path, *wheels: Path | str) -> None:
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--no-compile",
                            "--disable-pip-version-check", "--quiet", "--target", str(target), *map(str, wheels)],
                           capture_output=True, text=True)
@@ -104,3 +104,29 @@ def test_stale_byte_code_is_not_a_mismatch(tmp_path: Path) -> None:
     assert rows[pyc].sha256 == _digest(b"old byte code") != distfiles.file_digest(pyc)
     report = distfiles.check_site(site)
     assert not report.mismatches
+
+
+def test_reviewed_exceptions_pass_only_for_the_named_path_and_distributions(tmp_path) -> None:
+    """The image's two known cases, rebuilt with real wheels: flashinfer-python and
+    torch_c_dlpack_ext both ship a top-level build_backend.py (the later install wins, so
+    the other's RECORD no longer matches). Accepted for exactly those two distributions; the
+    same collision between any other pair still fails."""
+    out = tmp_path / "wheels"
+    out.mkdir()
+    first = make_wheel(out, "torch_c_dlpack_ext", {"build_backend.py": b"# dlpack's backend\n"})
+    second = make_wheel(out, "flashinfer_python", {"build_backend.py": b"# flashinfer's backend\n"})
+    site = tmp_path / "site"
+    pip_install(site, first)
+    # into a venv the later install overwrites the file; pip --target needs --upgrade for that
+    pip_install(site, second, "--upgrade")
+    report = distfiles.check_site(site)
+    assert report.collisions and report.mismatches          # the raw facts are still reported
+    assert [e.dist for e, _ in report.mismatches] == ["torch_c_dlpack_ext 1.0"]
+    ok, detail = distfiles.describe(report, site)
+    assert ok, detail
+    assert "reviewed exception" in detail and "build_backend.py" in detail
+
+    other = make_wheel(out, "somepkg", {"build_backend.py": b"# yet another\n"})
+    pip_install(site, other, "--upgrade")
+    ok, detail = distfiles.describe(distfiles.check_site(site), site)
+    assert not ok and "build_backend.py" in detail and "somepkg" in detail
