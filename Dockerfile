@@ -238,12 +238,18 @@ COPY --from=lmcache-wheel /out/ /tmp/wheels/lmcache/
 COPY --from=flashinfer-wheel /out/*.whl /out/SHA256SUMS /tmp/wheels/flashinfer/
 # Our own wheels, checked against the sums their stage wrote, then pip check
 # over the whole closure. Only the sums stay in the image (manifest, SBOM).
+# pip check may name exactly one unmet requirement, on purpose: nixl's meta
+# package (vLLM imports nixl._api) requires nixl-cu12 as well as nixl-cu13,
+# and the image is CUDA 13 (build/distbuild/lock.py IMAGE_NOT_INSTALLED; the
+# self-test accepts the same line and no other).
 WORKDIR /tmp/wheels
 RUN sed 's|  \./|  lmcache/|' lmcache/SHA256SUMS > all.sums \
     && sed 's|  \./|  flashinfer/|' flashinfer/SHA256SUMS >> all.sums \
     && sha256sum -c all.sums \
     && pip install --no-cache-dir --no-deps --progress-bar off lmcache/*.whl flashinfer/*.whl \
-    && pip check \
+    && { checked="$(pip check 2>&1)" || true; \
+         unmet="$(printf '%s\n' "$checked" | grep -vxF -e 'nixl 1.5.1 requires nixl-cu12, which is not installed.' -e 'No broken requirements found.' || true)"; \
+         if [ -n "$unmet" ]; then echo "runtime: pip check: $unmet" >&2; exit 1; fi; } \
     && mkdir -p /opt/glm53/wheels && cat lmcache/SHA256SUMS flashinfer/SHA256SUMS > /opt/glm53/wheels/SHA256SUMS \
     && rm -rf /tmp/wheels
 COPY --from=flashinfer-wheel /out/aot/ /opt/venv/lib/python${PYTHON_VERSION}/site-packages/flashinfer/data/aot/

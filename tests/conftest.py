@@ -102,6 +102,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if item not in deselected]
 
 
+def _clip(text: str, head: int = 400, tail: int = 1200) -> str:
+    """A long failure (a rank's traceback) keeps its start and its end, where the cause is."""
+    return text if len(text) <= head + tail else f"{text[:head]} [...] {text[-tail:]}"
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Without its patch, a proof must fail for the reason it states."""
@@ -115,10 +120,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     expected = marker.kwargs.get("fails_with")
     got = f"{call.excinfo.typename}: {call.excinfo.value}"
     if expected is None:
-        problem = f"proof of {left_out} states no expected failure (fails_with=...); it failed with {got[:500]}"
+        problem = f"proof of {left_out} states no expected failure (fails_with=...); it failed with {_clip(got)}"
     elif re.search(expected, got, re.DOTALL) is None:
         problem = (f"proof of {left_out} failed without it for another reason: expected /{expected}/, "
-                   f"got {got[:1000]}")
+                   f"got {_clip(got)}")
     else:
         return report
     report.outcome = "failed"

@@ -26,13 +26,36 @@ def test_aggregated_preset_serves(engines, tiny_model):
 
 
 @pytest.mark.engine
-def test_degraded_lmcache_fails_the_harness(engines, tiny_model, tmp_path):
-    """Without the CPU connector LMCache switches itself off while the server starts and
-    answers: the harness must refuse such an engine, naming the cause."""
+def test_lmcache_init_failure_stops_the_sharded_prefill_engine(engines, tiny_model, tmp_path):
+    """Without the CPU connector LMCache's init fails ("No supported cpu connector
+    found"). With the prefill preset's pcp_shard_store that is fatal (patch 0012): the
+    engine exits while starting, naming the cause, instead of one rank degrading alone."""
     base = free_port_block(1)
     valkey = start_valkey(tmp_path, port=base)
     try:
         spec = cpu_overlay.cpu_spec("prefill", tiny_model, base, label="prefill-no-cpu-connector")
+        assert spec.lmcache_config["extra_config"]["pcp_shard_store"] is True
+        spec.cpu_connector = False
+        with pytest.raises(EngineError, match=r"exited with \d+ while starting") as raised:
+            engines.start(spec)
+        log = raised.value.log_text
+        assert "No supported cpu connector found" in log
+        assert "degraded mode" not in log
+        assert valkey.client().dbsize() == 0
+    finally:
+        valkey.stop()
+
+
+@pytest.mark.engine
+def test_degraded_lmcache_fails_the_harness(engines, tiny_model, tmp_path):
+    """Outside shard mode LMCache switches itself off while the server starts and
+    answers (upstream's degraded mode): the harness must refuse such an engine, naming
+    the cause. The prefill preset with pcp_shard_store off, without the CPU connector."""
+    base = free_port_block(1)
+    valkey = start_valkey(tmp_path, port=base)
+    try:
+        spec = cpu_overlay.cpu_spec("prefill", tiny_model, base, label="prefill-degraded")
+        spec.lmcache_config["extra_config"]["pcp_shard_store"] = False
         spec.cpu_connector = False
         with pytest.raises(EngineError, match=r"degraded mode") as raised:
             engines.start(spec)

@@ -10,6 +10,15 @@ from typing import Any
 from tests.support.pcp_ranks import CHUNK_SIZE, RankContext
 
 
+
+def storage_of(engine):
+    """The rank's storage manager. Upstream's MLA store (save_only_first_rank) gives
+    ranks other than 0 none, which is what a tree without the sharded store shows."""
+    manager = engine.storage_manager
+    assert manager is not None, (
+        f"rank {engine.metadata.worker_id} has no storage manager: MLA stores on rank 0 only")
+    return manager
+
 def prompt_tokens(seed: int, num_chunks: int) -> list[int]:
     """A prompt of whole chunks whose chunk hashes differ from every other seed's."""
     return [(seed * 7919 + i * 31) % 50021 for i in range(num_chunks * CHUNK_SIZE)]
@@ -20,7 +29,7 @@ def chunk_keys(ctx: RankContext, tokens: list[int]) -> list[tuple[int, Any]]:
 
 
 def l1_starts(ctx: RankContext, tokens: list[int]) -> list[int]:
-    backend = ctx.engine.storage_manager.storage_backends["LocalCPUBackend"]
+    backend = storage_of(ctx.engine).storage_backends["LocalCPUBackend"]
     return [start for start, key in chunk_keys(ctx, tokens) if backend.contains(key)]
 
 
@@ -50,7 +59,7 @@ def kv_digest(ctx: RankContext, num_tokens: int) -> str:
 
 
 def l1_capacity_bytes(ctx: RankContext) -> int:
-    allocator = ctx.engine.storage_manager.storage_backends["LocalCPUBackend"].memory_allocator
+    allocator = storage_of(ctx.engine).storage_backends["LocalCPUBackend"].memory_allocator
     return int(allocator.size)
 
 
@@ -106,13 +115,16 @@ def apply_fault(ctx: RankContext, fault: str | None):
     if fault is None:
         return lambda: None
     if fault == "read_raises":
-        original = engine._pcp_shard_read_owned
+        # at the storage manager's read, which every tree has (a tree without
+        # the sharded load then shows what upstream does with the exception)
+        storage = storage_of(engine)
+        original = storage.batched_get
 
         def boom(*args, **kwargs):
             raise RuntimeError("injected: storage read failed on this rank")
 
-        engine._pcp_shard_read_owned = boom
-        return lambda: setattr(engine, "_pcp_shard_read_owned", original)
+        storage.batched_get = boom
+        return lambda: setattr(storage, "batched_get", original)
     if fault == "unhealthy":
         original_health = engine.is_healthy
         engine.is_healthy = lambda: False
@@ -200,7 +212,7 @@ def apply_load_fault(ctx: RankContext, fault: tuple | None):
 
 def owned_l1_counts(ctx: RankContext, tokens: list[int]) -> dict[int, tuple[int, int]]:
     """(ref count, pin count) of each chunk this rank holds in L1."""
-    backend = ctx.engine.storage_manager.storage_backends["LocalCPUBackend"]
+    backend = storage_of(ctx.engine).storage_backends["LocalCPUBackend"]
     counts = {}
     for start, key in chunk_keys(ctx, tokens):
         if backend.contains(key):
@@ -231,7 +243,7 @@ def load_with_fault(
     ctx.kv.fill(seed, num_tokens)
     ctx.engine.store(tokens)
     if wait_l2:
-        remote = ctx.engine.storage_manager.storage_backends["RemoteBackend"]
+        remote = storage_of(ctx.engine).storage_backends["RemoteBackend"]
         owned = [key for start, key in chunk_keys(ctx, tokens) if (start // CHUNK_SIZE) % ctx.world_size == ctx.rank]
         deadline = time.monotonic() + 30
         while not all(remote.contains(key) for key in owned):
@@ -316,7 +328,7 @@ def l1_intact(ctx: RankContext, tokens: list[int], seed: int) -> bool:
     and still holds the KV that was stored."""
     import torch
 
-    backend = ctx.engine.storage_manager.storage_backends["LocalCPUBackend"]
+    backend = storage_of(ctx.engine).storage_backends["LocalCPUBackend"]
     for start, key in chunk_keys(ctx, tokens):
         if not backend.contains(key):
             continue
@@ -344,7 +356,7 @@ def store_to_l2(ctx: RankContext, seed: int, num_chunks: int) -> bool:
     tokens = prompt_tokens(seed, num_chunks)
     ctx.kv.fill(seed, len(tokens))
     ctx.engine.store(tokens)
-    remote = ctx.engine.storage_manager.storage_backends["RemoteBackend"]
+    remote = storage_of(ctx.engine).storage_backends["RemoteBackend"]
     owned = [key for start, key in chunk_keys(ctx, tokens) if (start // CHUNK_SIZE) % ctx.world_size == ctx.rank]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -431,7 +443,7 @@ def async_lookup_server_rank(rank: int, world_size: int, workdir: str, engine_id
         client = LookupClientFactory.create_lookup_client(config, scheduler_metadata)
     dist.barrier(group=cpu_group)
 
-    backend = engine.storage_manager.storage_backends["LocalCPUBackend"]
+    backend = storage_of(engine).storage_backends["LocalCPUBackend"]
 
     def l1_state(tokens: list[int]) -> list[tuple[int, int, int]]:
         return [

@@ -184,7 +184,7 @@ def chunk_bytes(memory_obj) -> bytes:
     return view.cast("B").tobytes()
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"not the loaded prefix")
 def test_blocking_batch_get_returns_loaded_prefix_and_frees_the_rest(make_env):
     env = make_env()
     stored = {i: env.store(i) for i in (0, 2, 3)}  # chunk 1 was evicted
@@ -192,8 +192,9 @@ def test_blocking_batch_get_returns_loaded_prefix_and_frees_the_rest(make_env):
 
     loaded = call_bounded(lambda: env.backend.batched_get_blocking(keys))
 
-    assert loaded[1:] == [None, None, None]
-    assert loaded[0] is not None
+    present = [obj is not None for obj in loaded]
+    assert present == [True, False, False, False], (
+        f"blocking batch GET returned {present} for chunks 0..3 with chunk 1 missing: not the loaded prefix")
     assert chunk_bytes(loaded[0]) == stored[0]
     assert loaded[0].get_ref_count() == 1
     assert env.chunks_in_use() == 1, "buffers of chunks 1..3 were not freed"
@@ -201,7 +202,7 @@ def test_blocking_batch_get_returns_loaded_prefix_and_frees_the_rest(make_env):
     env.assert_back_at_baseline()
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"returned 4 objects for a 2-chunk loaded prefix")
 def test_non_blocking_batch_get_returns_loaded_prefix_only(make_env):
     env = make_env()
     stored = {i: env.store(i) for i in (0, 1, 3)}  # chunk 2 was evicted
@@ -210,7 +211,7 @@ def test_non_blocking_batch_get_returns_loaded_prefix_only(make_env):
     loaded = env.run(env.backend.batched_get_non_blocking("lookup-0", keys))
 
     # the storage manager pairs these with keys by position
-    assert len(loaded) == 2
+    assert len(loaded) == 2, f"non-blocking batch GET returned {len(loaded)} objects for a 2-chunk loaded prefix"
     assert [chunk_bytes(obj) for obj in loaded] == [stored[0], stored[1]]
     assert env.chunks_in_use() == 2
     for obj in loaded:
@@ -219,12 +220,13 @@ def test_non_blocking_batch_get_returns_loaded_prefix_only(make_env):
     env.assert_back_at_baseline()
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"GET of a missing chunk returned TensorMemoryObj, not None")
 def test_get_blocking_of_a_missing_chunk_is_none_and_frees_its_buffer(make_env):
     env = make_env()
     stored = env.store(0)
 
-    assert call_bounded(lambda: env.backend.get_blocking(env.key(1))) is None
+    missing = call_bounded(lambda: env.backend.get_blocking(env.key(1)))
+    assert missing is None, f"GET of a missing chunk returned {type(missing).__name__}, not None"
     env.assert_back_at_baseline(timeout=1.0)
 
     # and the next GET on the same (single) connection is a clean hit
@@ -250,7 +252,7 @@ def test_full_hit_batch_is_returned_whole(make_env):
 PAUSE_MS = 5000
 
 
-@pytest.mark.fixes(TIMEOUT_PATCH)
+@pytest.mark.fixes(TIMEOUT_PATCH, fails_with=r"a buffer leaked \(above\) or was freed twice")
 @pytest.mark.parametrize("path", ["blocking", "non-blocking"])
 def test_timed_out_get_frees_its_buffers_only_once_the_native_get_completes(make_env, path):
     env = make_env(blocking_timeout_secs=1)  # an int in LMCache config
@@ -281,7 +283,7 @@ def test_timed_out_get_frees_its_buffers_only_once_the_native_get_completes(make
     env.assert_back_at_baseline(timeout=PAUSE_MS / 1000 + 10.0)
 
 
-@pytest.mark.fixes(TIMEOUT_PATCH)
+@pytest.mark.fixes(TIMEOUT_PATCH, fails_with=r"the connector no longer loads: its workers are used up")
 def test_timed_out_gets_do_not_use_up_the_connector(make_env):
     # RESPConnector runs loads on an executor of 4 workers. A caller that
     # times out must not take a worker down with it when the load finishes.
@@ -294,7 +296,8 @@ def test_timed_out_gets_do_not_use_up_the_connector(make_env):
         time.sleep(1.5 + 0.5)  # the server answers, the abandoned load ends
 
     obj = call_bounded(lambda: env.backend.get_blocking(env.key(0)))
-    assert obj is not None and chunk_bytes(obj) == stored
+    assert obj is not None, "after 4 timed-out GETs the connector no longer loads: its workers are used up"
+    assert chunk_bytes(obj) == stored
     obj.ref_count_down()
     env.assert_back_at_baseline()
 
@@ -332,7 +335,7 @@ class _LateFuture:
         return self._future.cancel()
 
 
-@pytest.mark.fixes(TIMEOUT_PATCH)
+@pytest.mark.fixes(TIMEOUT_PATCH, fails_with=r"a buffer leaked \(above\) or was freed twice")
 @pytest.mark.parametrize("path", ["get", "batched"])
 def test_get_that_completes_as_its_caller_times_out_frees_its_buffers(make_env, monkeypatch, path):
     from lmcache.v1.storage_backend import remote_backend
@@ -350,7 +353,7 @@ def test_get_that_completes_as_its_caller_times_out_frees_its_buffers(make_env, 
     env.assert_back_at_baseline(timeout=2.0)
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"not the loaded prefix|the loaded prefix was not written back")
 def test_batch_with_a_miss_writes_the_loaded_prefix_back_to_l1(valkey):
     """A remote batch GET through the storage manager, with chunk 2 evicted
     from Valkey between lookup and load: the chunks before it come back and
@@ -397,7 +400,9 @@ def test_batch_with_a_miss_writes_the_loaded_prefix_back_to_l1(valkey):
 
         loaded = call_bounded(lambda: storage.batched_get(keys, location="RemoteBackend"))
 
-        assert [obj is not None for obj in loaded] == [True, True, False, False]
+        present = [obj is not None for obj in loaded]
+        assert present == [True, True, False, False], (
+            f"batch GET returned {present} for chunks 0..3 with chunk 2 evicted: not the loaded prefix")
         in_l1 = [key in l1.hot_cache for key in keys]
         assert in_l1 == [True, True, False, False], (
             f"L1 holds {in_l1} after a batch that loaded chunks 0 and 1: the loaded prefix was not written back"
@@ -432,7 +437,7 @@ def close_remote_connection(remote) -> None:
     remote.connection = None
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"RESP client batch_get reported None, not per-key hits")
 def test_resp_client_reports_per_key_hits(make_env):
     # The asyncio API, on the client's loop: the synchronous variants share
     # the result plumbing but, without the 0001 lock, can lose a completion.
@@ -446,7 +451,7 @@ def test_resp_client_reports_per_key_hits(make_env):
     try:
         keys = [env.key(i).to_string() for i in range(3)]
         hits = env.run(client.batch_get(keys, [memoryview(b) for b in bufs]))
-        assert hits == [True, False, True]
+        assert hits == [True, False, True], f"RESP client batch_get reported {hits}, not per-key hits"
         assert bytes(bufs[0]) == stored[0] and bytes(bufs[2]) == stored[2]
 
         assert env.run(client.get(keys[1], memoryview(one))) is False

@@ -147,7 +147,7 @@ class RecordingConnector:
         pass
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"async GET asked the remote for worker 2's keys")
 def test_rank2_async_get_sends_worker0_keys(loop):
     # blackhole:// gives a connection that is replaced right away.
     backend, local_cpu = make_backend(loop, "blackhole://")
@@ -164,7 +164,9 @@ def test_rank2_async_get_sends_worker0_keys(loop):
     finally:
         bounded(local_cpu.close)
 
-    assert connector.get_keys == [[make_key(0, h) for h in HASHES]]
+    asked = sorted({key.worker_id for batch in connector.get_keys for key in batch})
+    assert connector.get_keys == [[make_key(0, h) for h in HASHES]], (
+        f"async GET asked the remote for worker {', '.join(map(str, asked))}'s keys, not worker 0's")
     # One object per requested key, in the caller's key order.
     assert [id(o) for o in objs] == [id(tagged[h]) for h in HASHES]
 
@@ -174,7 +176,7 @@ def _payload(chunk_hash: int, size: int) -> bytes:
     return (pattern * (size // len(pattern) + 1))[:size]
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"rank 2 loaded 0 of 3 chunks it had found")
 def test_rank2_async_get_loads_worker0_chunks_from_valkey(valkey, loop):
     """A real Valkey holding only worker 0's chunks, the real native RESP
     client: rank 2's async GET must load every chunk it found."""

@@ -122,7 +122,7 @@ def l1_chunks(engine, tokens):
     return out
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"a prefetched L1 chunk was released twice")
 def test_retrieve_then_unpin_releases_each_prefetched_chunk_once(engine_kv):
     engine, kv, client = engine_kv
     tokens = tokens_of(1, 4)
@@ -151,7 +151,7 @@ def test_retrieve_then_unpin_releases_each_prefetched_chunk_once(engine_kv):
         )
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"Event req-miss of type EventType.LOADING is not done or not found")
 def test_retrieve_after_a_prefetch_that_found_nothing_loads_nothing(engine_kv):
     engine, kv, client = engine_kv
     tokens = tokens_of(3, 3)
@@ -160,7 +160,7 @@ def test_retrieve_after_a_prefetch_that_found_nothing_loads_nothing(engine_kv):
     assert int(mask.sum()) == 0
 
 
-@pytest.mark.fixes(PATCH)
+@pytest.mark.fixes(PATCH, fails_with=r"every L1 chunk must hold only the cache's reference and no pin")
 def test_retrieve_releases_the_pins_of_prefetched_chunks_it_does_not_use(engine_kv):
     """vLLM holds the first chunk itself (the retrieve masks it) and loads
     three of the four chunks (the scheduler capped the load): the first and

@@ -46,7 +46,7 @@ def assert_same_outcome(results: list[dict], prefix: int) -> None:
     assert all(r["kv_below_prefix_ok"] for r in results), "KV below the prefix differs from the stored KV"
 
 
-@pytest.mark.fixes(SYNC, fails_with=r"OutOfMemoryError: injected|did not finish within")
+@pytest.mark.fixes(SYNC, fails_with=r"OutOfMemoryError: injected|did not finish within|ranks ended at different prefixes")
 def test_device_allocation_failure_on_one_rank_loads_nothing_and_never_hangs(tmp_path):
     results = run_fault(tmp_path, 3, seed=60, num_chunks=7, fault=("device_alloc_fails",), fault_rank=1)
     assert_same_outcome(results, 0)
@@ -55,7 +55,7 @@ def test_device_allocation_failure_on_one_rank_loads_nothing_and_never_hangs(tmp
     assert [op for op, _, _ in results[0]["collectives"]] == ["all_gather_object"]
 
 
-@pytest.mark.fixes(SYNC, fails_with=r"RuntimeError: injected: paged-KV write")
+@pytest.mark.fixes(SYNC, fails_with=r"RuntimeError: injected: paged-KV write|ranks ended at different prefixes")
 def test_paged_kv_write_failure_on_one_rank_ends_every_rank_at_the_same_prefix(tmp_path):
     # one chunk per broadcast; rank 2 fails to write chunk 4 (owned by rank 1)
     failing = 4 * CHUNK_SIZE
@@ -69,14 +69,14 @@ def test_paged_kv_write_failure_on_one_rank_ends_every_rank_at_the_same_prefix(t
     assert sum(op == "broadcast" for op, _, _ in results[0]["collectives"]) == 7
 
 
-@pytest.mark.fixes(SYNC, fails_with=r"ValueError: injected: chunk metadata|did not finish within")
+@pytest.mark.fixes(SYNC, fails_with=r"ValueError: injected: chunk metadata|did not finish within|ranks ended at different prefixes")
 def test_metadata_parse_failure_on_one_rank_loads_nothing_and_never_hangs(tmp_path):
     results = run_fault(tmp_path, 2, seed=62, num_chunks=5, fault=("metadata_parse_fails",), fault_rank=1)
     assert_same_outcome(results, 0)
     assert_protocol(results, 0, 0)
 
 
-@pytest.mark.fixes(SYNC, fails_with=r"L1 objects of rank 1 still held")
+@pytest.mark.fixes(SYNC, fails_with=r"L1 objects of rank 1 still held|ranks ended at different prefixes")
 def test_a_read_that_fails_part_way_releases_what_it_read(tmp_path):
     """Rank 1 owns chunks 1, 3, 5; chunk 5 is only in its L2, so its read
     takes chunks 1 and 3 from L1, then the L2 read raises. The L1 objects it
@@ -108,7 +108,7 @@ def test_a_read_that_fails_part_way_releases_what_it_read(tmp_path):
         assert not held, f"L1 objects of rank {rank} still held after the retrieve (start: (ref, pin)): {held}"
 
 
-@pytest.mark.fixes(SYNC, fails_with=r"broadcasts of more than one chunk")
+@pytest.mark.fixes(SYNC, fails_with=r"broadcasts of more than one chunk|0 broadcasts for the \d+ chunks")
 def test_the_load_streams_through_a_bounded_staging_buffer(tmp_path):
     """With a one-chunk staging buffer, no broadcast (and so no device
     buffer of the load) is larger than one chunk, and the load is still
@@ -126,7 +126,7 @@ def test_the_load_streams_through_a_bounded_staging_buffer(tmp_path):
     per_rank = [rr[0] for rr in results]
     sizes = [size for op, _, size in per_rank[0]["collectives"] if op == "broadcast"]
     assert all(size == CHUNK_BYTES for size in sizes), f"broadcasts of more than one chunk ({CHUNK_BYTES} B): {sizes}"
-    assert len(sizes) == num_chunks
+    assert len(sizes) == num_chunks, f"{len(sizes)} broadcasts for the {num_chunks} chunks"
     assert [r["prefix"] for r in per_rank] == [num_chunks * CHUNK_SIZE] * world_size
     assert all(r["kv_ok"] for r in per_rank)
     assert_protocol(per_rank, 0, num_chunks * CHUNK_SIZE, one_piece_per_owner=False)

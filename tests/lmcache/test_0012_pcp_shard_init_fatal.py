@@ -61,7 +61,8 @@ def vllm_config(**parallel):
     )
 
 
-@pytest.mark.fixes(GUARDS, fails_with=r"DID NOT RAISE")
+# A unit test of the validator 0012 adds, not a proof: without 0012 LMCache has no
+# notion of DCP at all, which test_lmcache_reads_dcp_from_vllms_parallel_config proves.
 def test_dcp_with_the_sharded_store_is_rejected_naming_both_settings():
     from lmcache.v1.pcp_shard import validate_pcp_shard_store
 

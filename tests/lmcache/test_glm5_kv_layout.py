@@ -16,6 +16,8 @@ per model layer (kv_shape[0]) and is handed twice as many tensors.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.lmcache import glm5_lmcache_run
@@ -45,22 +47,42 @@ def run_worker(tmp_path, variant: str) -> dict:
     return result
 
 
+_REGISTERED = """
+import json, sys
+from pathlib import Path
+from tests.lmcache.glm5_vllm_kv import build_glm5_kv_caches
+kv = build_glm5_kv_caches(Path(sys.argv[1]), sys.argv[2], num_hidden_layers=int(sys.argv[3]))
+print(json.dumps({
+    "layers": {name: [kv.role(name), list(t.shape), t.dim(), t.element_size()] for name, t in kv.kv_caches.items()},
+    "groups": len(kv.kv_cache_config.kv_cache_groups),
+    "storages": len({t.untyped_storage().data_ptr() for t in kv.kv_caches.values()}),
+}))
+"""
+
+
 @pytest.mark.parametrize(
     ("variant", "latent_bytes"), [("flashinfer_fp8", 576), ("flashmla_fp8_ds_mla", LATENT_BYTES)]
 )
 def test_vllm_registers_latent_and_indexer_caches_in_one_dict(tmp_path, variant, latent_bytes):
-    from tests.lmcache.glm5_vllm_kv import build_glm5_kv_caches
+    # In a fresh interpreter: vLLM keeps process-wide state (the config tests
+    # before this one leave some) that changes the KV cache sizing.
+    import json
+    import subprocess
+    import sys
 
-    kv = build_glm5_kv_caches(tmp_path / "model", variant, num_hidden_layers=NUM_LAYERS)
-    roles = {name: kv.role(name) for name in kv.kv_caches}
+    done = subprocess.run([sys.executable, "-c", _REGISTERED, str(tmp_path / "model"), variant, str(NUM_LAYERS)],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    kv = json.loads(done.stdout.strip().splitlines()[-1])
+    roles = {name: layer[0] for name, layer in kv["layers"].items()}
     assert sorted(roles.values()) == ["indexer"] * NUM_LAYERS + ["sparse"] * NUM_LAYERS
-    for name, tensor in kv.kv_caches.items():
-        width = INDEXER_BYTES if roles[name] == "indexer" else latent_bytes
-        assert tensor.dim() == 4 and tuple(tensor.shape[1:]) == (1, 64, width), (name, tensor.shape)
-        assert tensor.element_size() == 1
+    for name, (role, shape, dim, element_size) in kv["layers"].items():
+        width = INDEXER_BYTES if role == "indexer" else latent_bytes
+        assert dim == 4 and tuple(shape[1:]) == (1, 64, width), (name, shape)
+        assert element_size == 1
     # One group; both kinds of layer share one backing allocation.
-    assert len(kv.kv_cache_config.kv_cache_groups) == 1
-    assert len({t.untyped_storage().data_ptr() for t in kv.kv_caches.values()}) == 1
+    assert kv["groups"] == 1
+    assert kv["storages"] == 1
 
 
 @pytest.mark.fixes(

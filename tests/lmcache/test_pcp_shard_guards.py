@@ -41,7 +41,7 @@ def build(world_size=4, pcp=4, use_mla=True, collectives=True, collectives_rank=
         LMCacheEngineBuilder.destroy(instance_id)
 
 
-@pytest.mark.fixes(GUARDS)
+@pytest.mark.fixes(GUARDS, fails_with=r"DID NOT RAISE <class 'ValueError'>")
 @pytest.mark.parametrize(
     "overrides, named",
     [
@@ -59,11 +59,12 @@ def test_unsupported_combination_fails_at_init_naming_it(overrides, named):
     assert named in str(info.value)
 
 
-@pytest.mark.fixes(GUARDS)
 @pytest.mark.parametrize("setting", ["enable_blending", "enable_p2p", "enable_pd"])
 def test_settings_that_need_other_services_are_rejected_by_the_validator(setting):
     """Blending, P2P and PD need a tokenizer download or peers to build an
-    engine at all; the engine calls this validator first thing."""
+    engine at all; the engine calls this validator first thing. A unit test
+    of the validator 0012 adds, not a proof: without 0012 it does not exist
+    (the init-path proofs above are 0012's)."""
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.pcp_shard import validate_pcp_shard_store
 
@@ -74,19 +75,18 @@ def test_settings_that_need_other_services_are_rejected_by_the_validator(setting
         validate_pcp_shard_store(config, metadata)
 
 
-@pytest.mark.fixes(STORE)
+@pytest.mark.fixes(STORE, fails_with=r"DID NOT RAISE <class 'ValueError'>")
 def test_worker_without_pcp_collectives_fails_at_init():
     with pytest.raises(ValueError, match="collectives"):
         build(collectives=False)
 
 
-@pytest.mark.fixes(STORE)
+@pytest.mark.fixes(STORE, fails_with=r"DID NOT RAISE <class 'ValueError'>")
 def test_collectives_of_another_rank_fail_at_init_naming_both():
     with pytest.raises(ValueError, match="collectives say rank 2 of 4, metadata says rank 1 of 4"):
         build(collectives_rank=2)
 
 
-@pytest.mark.fixes(STORE)
 def test_switch_without_mla_or_pcp_changes_nothing():
     assert build(use_mla=False).pcp_shard_layout is None
     engine = build(world_size=1, pcp=1)
@@ -94,11 +94,12 @@ def test_switch_without_mla_or_pcp_changes_nothing():
     assert engine.save_only_first_rank  # MLA's upstream default still applies
 
 
-@pytest.mark.fixes(STORE)
+@pytest.mark.fixes(STORE, fails_with=r"not the rank-0 store's \(1, 0\)")
 def test_sharded_keys_are_the_rank0_store_keys():
     """Every rank names a chunk like the rank-0 store does (world size 1,
     worker 0), so pods and rank-0 deployments share one cache."""
     engine = build()
     key = next(iter(engine.token_database.process_tokens(tokens=list(range(CHUNK_SIZE)))))[2]
-    assert (key.world_size, key.worker_id) == (1, 0)
+    named = (key.world_size, key.worker_id)
+    assert named == (1, 0), f"rank 1 names its chunks {named}, not the rank-0 store's (1, 0)"
     assert engine.pcp_shard_layout.owner(5 * CHUNK_SIZE) == 1

@@ -270,8 +270,10 @@ def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_
     try:
         while not _ready(server.url):
             if process.poll() is not None:
-                raise EngineError(f"{spec.label}: the engine exited with {process.returncode} while starting\n"
-                                  f"{server.tail()}")
+                error = EngineError(f"{spec.label}: the engine exited with {process.returncode} while starting "
+                                    f"(log: {log_path})\n{server.tail()}")
+                error.log_text = server.log_text()
+                raise error
             if time.monotonic() - started > startup_timeout_s:
                 raise EngineError(f"{spec.label}: not ready within {startup_timeout_s:.0f} s\n{server.tail()}")
             time.sleep(0.5)

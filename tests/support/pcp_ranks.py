@@ -127,14 +127,19 @@ def mla_metadata(
     chunk_size: int = CHUNK_SIZE,
 ):
     """LMCacheMetadata of worker ``rank`` of ``world_size`` with an MLA-shaped
-    KV cache. The PCP fields are set only when ``pcp_world_size`` is given:
-    pristine LMCache has none (the proofs of 0006 and 0007 run there)."""
+    KV cache. The PCP fields are set only when ``pcp_world_size`` is given
+    and the build has them: a tree without the sharded store (pristine, or
+    the series without 0009) has none, and sees the worker as upstream does,
+    so a proof fails there on behaviour, not on a constructor argument."""
+    import dataclasses
+
     import torch
 
     from lmcache.v1.metadata import LMCacheMetadata
 
     pcp = {}
-    if pcp_world_size is not None:
+    has_pcp = "pcp_world_size" in {f.name for f in dataclasses.fields(LMCacheMetadata)}
+    if pcp_world_size is not None and has_pcp:
         pcp = {"pcp_world_size": pcp_world_size, "pcp_rank": rank if pcp_rank is None else pcp_rank}
     return LMCacheMetadata(
         model_name=model_name,
