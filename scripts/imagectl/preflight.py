@@ -53,9 +53,10 @@ HYBRID_WHY = ("GLM-5.3-Flash, vLLM 0.31.0's vllm/models/glm5next: a hybrid linea
               "serve it without these presets")
 REFUSED_ARCHITECTURES = {"Glm5NextForCausalLM": HYBRID_WHY, "Glm5NextForConditionalGeneration": HYBRID_WHY}
 NIXL_FIXES = {
-    "LIBFABRIC": "NIXL over EFA needs libfabric 2.x with the efa provider (the image's /opt/libfabric, or the "
-                 "node's AWS EFA libfabric mounted and put first on LD_LIBRARY_PATH) and the EFA devices "
-                 "(--device /dev/infiniband/...); on InfiniBand/RoCE set backends: [UCX] on both roles",
+    "LIBFABRIC": "NIXL over EFA needs libfabric 2.x with the efa provider and FABRIC_1.10 (no libfabric release "
+                 "has it yet, so the image ships none: mount the node's AWS EFA installer prefix and put its lib "
+                 "and lib64 first on LD_LIBRARY_PATH) and the EFA devices (--device /dev/infiniband/...); on "
+                 "InfiniBand/RoCE set backends: [UCX] on both roles",
     "UCX": "UCX is bundled in nixl-cu13: a derived image that removed nixl_cu13.libs or its plugins breaks it",
 }
 

@@ -257,9 +257,28 @@ def test_preflight_refuses_a_missing_nixl_backend(image, tmp_path):
     assert "libfabric 2.x with the efa provider" in done.stdout
 
 
-def test_preflight_passes_otherwise_and_says_the_gpu_checks_were_skipped(image, tmp_path):
+def test_preflight_refuses_libfabric_without_the_nodes_efa_libfabric(image, tmp_path):
+    """The shipped prefill preset selects NIXL's LIBFABRIC (EFA); without the node's EFA
+    libfabric mounted (no libfabric release has FABRIC_1.10) the preflight refuses, naming it."""
     done = run_image(image, "preflight", "prefill", "/models/GLM-5.3-FP8", network="none",
                      extra=("--shm-size=17g", _model(tmp_path)), timeout=300)
+    assert done.returncode == 1
+    assert "preflight: FAIL  nixl backends" in done.stdout and "LIBFABRIC: nixlNotFoundError" in done.stdout
+    assert "FABRIC_1.10" in done.stdout and "AWS EFA installer prefix" in done.stdout
+
+
+def test_preflight_passes_otherwise_and_says_the_gpu_checks_were_skipped(image, tmp_path):
+    """The presets as an InfiniBand/RoCE cluster runs them (configs/README.md: backends
+    [UCX] on both roles), mounted over GLM53_CONFIGS: every other check passes here."""
+    configs = tmp_path / "configs"
+    shutil.copytree(REPO / "configs", configs)
+    for role in ("prefill", "decode"):
+        preset = configs / role / "vllm.yaml"
+        preset.write_text(preset.read_text().replace("backends: [LIBFABRIC]", "backends: [UCX]"))
+    subprocess.run(["chmod", "-R", "a+rX", str(tmp_path)], check=True)
+    done = run_image(image, "preflight", "prefill", "/models/GLM-5.3-FP8", network="none",
+                     extra=("--shm-size=17g", _model(tmp_path), f"--volume={configs}:/etc/glm53-ucx:ro",
+                            "--env=GLM53_CONFIGS=/etc/glm53-ucx"), timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     for name in ("shm", "cache", "jit toolchain", "nixl backends", "model"):
         assert f"preflight: PASS  {name}" in done.stdout, name
