@@ -496,26 +496,42 @@ def check_deploy(config_root: Path, python: str = sys.executable) -> Check:
     return Check("deploy render", "PASS", f"{len(written)} manifests from {config_root / 'deploy'}")
 
 
-# Unmet requirements the image means to have (build/distbuild/lock.py IMAGE_NOT_INSTALLED):
-# pip check's line for each, and why.
-ACCEPTED_UNMET = {
-    "nixl 1.5.1 requires nixl-cu12, which is not installed.":
-        "nixl's meta package requires both CUDA builds; the image is CUDA 13 (nixl loads nixl_cu13)",
-}
+NOT_INSTALLED_LINE = re.compile(r"^# left out \(not installed: (?P<why>.*)\): (?P<name>\S+)$")
+UNMET_LINE = re.compile(r"^(?P<dist>\S+) (?P<version>\S+) requires (?P<name>\S+), which is not installed\.$")
 
 
-def check_requirements(python: str = sys.executable) -> Check:
+def not_installed(lock: Path) -> dict[str, str]:
+    """What the image's lock resolved but leaves out on purpose, with why
+    (build/distbuild/lock.py IMAGE_NOT_INSTALLED writes these lines)."""
+    if not lock.is_file():
+        return {}
+    found = {}
+    for line in lock.read_text().splitlines():
+        match = NOT_INSTALLED_LINE.match(line)
+        if match:
+            found[match["name"].lower().replace("_", "-")] = match["why"]
+    return found
+
+
+def check_requirements(python: str = sys.executable, lock: Path = HOME / "lock" / "image.txt") -> Check:
     """pip's own check that every installed distribution's requirements are met here,
-    markers evaluated on this interpreter (a derived image that adds packages keeps it)."""
+    markers evaluated on this interpreter (a derived image that adds packages keeps it).
+    A requirement on a distribution the lock leaves out on purpose is accepted, with its reason."""
     proc = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True)
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     if proc.returncode == 0:
         return Check("requirements", "PASS", lines[0] if lines else "pip check: no broken requirements")
-    accepted = [line for line in lines if line.strip() in ACCEPTED_UNMET]
-    lines = [line for line in lines if line.strip() not in ACCEPTED_UNMET]
+    left_out = not_installed(lock)
+
+    def reason(line: str) -> str | None:
+        match = UNMET_LINE.match(line)
+        return left_out.get(match["name"].lower().replace("_", "-")) if match else None
+
+    accepted = [f"{line} ({reason(line)})" for line in lines if reason(line)]
+    lines = [line for line in lines if not reason(line)]
     if not lines and accepted:
-        return Check("requirements", "PASS", "pip check: only the accepted unmet requirement(s): "
-                     + "; ".join(f"{line.strip()} ({ACCEPTED_UNMET[line.strip()]})" for line in accepted))
+        return Check("requirements", "PASS", "pip check: only requirements the lock leaves out on purpose: "
+                     + "; ".join(accepted))
     shown = "; ".join(lines[:3]) + (f" (+{len(lines) - 3} more)" if len(lines) > 3 else "")
     return Check("requirements", "FAIL", f"pip check: {shown or f'exit {proc.returncode}'}")
 

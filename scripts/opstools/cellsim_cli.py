@@ -9,7 +9,9 @@ from typing import Any
 
 from . import gates as gate_rules
 from .common import (
+    EXIT_ERROR,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     HelpFormatter,
     OpsError,
@@ -314,9 +316,9 @@ def main(argv: list[str] | None = None) -> int:
             return command_sweep(args)
         return command_writeup(args)
     except OpsError as exc:
-        return fail(str(exc), 2, TOOL)
+        return fail(str(exc), EXIT_ERROR, TOOL)
     except KeyboardInterrupt:
-        return fail("interrupted", 130, TOOL)
+        return fail("interrupted", EXIT_INTERRUPTED, TOOL)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -280,12 +280,11 @@ def test_requirements_check_is_pips_and_names_what_is_missing(tmp_path: Path) ->
     assert selftest.check_requirements(python).status == "PASS"
 
 
-def test_requirements_check_accepts_only_the_declared_unmet_requirement(tmp_path: Path) -> None:
-    """nixl's meta package requires nixl-cu12 and nixl-cu13; the image installs only cu13
-    (build/distbuild/lock.py IMAGE_NOT_INSTALLED). pip check's line for exactly that passes;
-    any other unmet requirement beside it still fails."""
-    import sys
-
+def test_requirements_check_accepts_only_what_the_lock_leaves_out(tmp_path: Path) -> None:
+    """nixl's meta package requires nixl-cu12 and nixl-cu13; the image installs only cu13 and
+    its lock says so (build/distbuild/lock.py IMAGE_NOT_INSTALLED). pip check's complaint about
+    exactly that distribution passes, with the lock's reason; without the lock line, or with
+    any other unmet requirement beside it, the check fails."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
@@ -299,11 +298,20 @@ def test_requirements_check_accepts_only_the_declared_unmet_requirement(tmp_path
                     "Tag: py3-none-any\n")
         zf.writestr("nixl-1.5.1.dist-info/RECORD", "")
     subprocess.run([*pip, str(wheel)], check=True)
-    check = selftest.check_requirements(python)
+    lock = tmp_path / "image.txt"
+    lock.write_text("# Runtime closure\n# left out (not installed: the image is CUDA 13 (nixl loads nixl_cu13)): "
+                    "nixl-cu12\n")
+    assert selftest.check_requirements(python, lock=tmp_path / "absent.txt").status == "FAIL"
+    check = selftest.check_requirements(python, lock=lock)
     assert check.status == "PASS" and "nixl-cu12" in check.detail and "CUDA 13" in check.detail
     subprocess.run([*pip, str(_tiny_wheel(tmp_path, "needsdep", ["tinydep>=1"]))], check=True)
-    check = selftest.check_requirements(python)
+    check = selftest.check_requirements(python, lock=lock)
     assert check.status == "FAIL" and "tinydep" in check.detail and "nixl-cu12" not in check.detail
+
+
+def test_the_image_lock_declares_what_it_leaves_out() -> None:
+    """The self-test's accepted unmet requirements come from the lock itself."""
+    assert selftest.not_installed(REPO / "build" / "lock" / "image.txt").keys() == {"nixl-cu12"}
 
 
 def test_presets_check_runs_the_validator_and_names_a_bad_key(tmp_path: Path) -> None:
