@@ -39,9 +39,9 @@ flashinfer-artifacts: ## fetch FlashInfer's pinned trtllm-gen artifacts into the
 patched: ## pristine + patched trees under work/src, and work/manifest.json
 	$(DIST) patched $(FORCE_FLAG)
 
-export: ## regenerate patches/$(UPSTREAM) from the commits in work/src/$(UPSTREAM)
+export: ## regenerate patches/$(UPSTREAM) from the commits in work/src/$(UPSTREAM) [IDENTITY="Name <email>": author and sign off every patch]
 	@test -n "$(UPSTREAM)" || { echo "make export: set UPSTREAM=lmcache|flashinfer|vllm" >&2; exit 2; }
-	$(DIST) export $(UPSTREAM)
+	$(DIST) export $(UPSTREAM) $(if $(IDENTITY),--identity "$(IDENTITY)")
 
 health: ## try the series against another release, e.g. make health UPSTREAM=lmcache==0.5.6
 	@test -n "$(UPSTREAM)" || { echo "make health: set UPSTREAM=NAME==VERSION, e.g. lmcache==0.5.6" >&2; exit 2; }

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from . import manifest as manifest_step
 from . import pins as pins_step
 from .errors import DistBuildError
 from .fetch import fetch
+from .identity import identity_problems, parse_identity
 from .gitrepo import PRISTINE_REF, Repo
 from .index import IndexClient, IndexConfig
 from .paths import Layout
@@ -76,7 +78,11 @@ def cmd_manifest(args: argparse.Namespace, layout: Layout) -> int:
 def cmd_export(args: argparse.Namespace, layout: Layout) -> int:
     pins = pins_step.load(layout.pins_file)
     pins_step.upstream_pin(pins, args.upstream)
-    result = export_step.export(args.upstream, layout.tree(args.upstream), layout.series_dir(args.upstream))
+    identity = args.identity or os.environ.get("DIST_PATCH_IDENTITY") or None
+    result = export_step.export(
+        args.upstream, layout.tree(args.upstream), layout.series_dir(args.upstream),
+        identity=parse_identity(identity, "--identity" if args.identity else "DIST_PATCH_IDENTITY") if identity else None,
+    )
     print(f"export {args.upstream}: {len(result.written)} written, {len(result.unchanged)} unchanged, "
           f"{len(result.removed)} removed")
     return 0
@@ -101,8 +107,10 @@ def cmd_lint(args: argparse.Namespace, layout: Layout) -> int:
     pins = pins_step.load(layout.pins_file)
     problems = []
     for upstream in pins_step.upstream_names(pins):
-        for patch in load_series(layout.series_dir(upstream)):
+        patches = load_series(layout.series_dir(upstream))
+        for patch in patches:
             problems.extend(check_headers(patch))
+        problems.extend(identity_problems(patches))
     for problem in problems:
         print(problem, file=sys.stderr)
     print(f"lint: {len(pins)} pins, {len(problems)} problem(s)")
@@ -315,6 +323,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("export", help="regenerate patches/<upstream> from work/src/<upstream>")
     s.add_argument("upstream")
+    s.add_argument("--identity", help="author and sign off every patch as 'Name <email>' (default: "
+                   "$DIST_PATCH_IDENTITY, else the identity the series already carries)")
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("health", help="try the series against another upstream release")

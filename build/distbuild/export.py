@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import DistBuildError
-from .gitrepo import FIXED_DATE, PREPARED_REF, PRISTINE_REF, Repo
+from .gitrepo import FIXED_DATE, PREPARED_REF, PRISTINE_REF, Repo, git_env
+from .identity import Identity, header_identity, sign_off_as
 from .series import check_headers, parse_patch, series_entries
 
 FORMAT_PATCH = ("format-patch", "-1", "--stdout", "--zero-commit", "--no-signature", "--full-index",
@@ -35,10 +36,35 @@ def slug(subject: str) -> str:
     return text[:60].rstrip("-") or "patch"
 
 
-def render(repo: Repo, commit: str) -> bytes:
+def render(repo: Repo, commit: str, identity: Identity | None = None) -> bytes:
+    if identity is not None:
+        commit = reauthored(repo, commit, identity)
     text = repo.git(*FORMAT_PATCH, commit).stdout.decode()
     text = re.sub(r"^Date: .*$", FIXED_DATE_HEADER, text, count=1, flags=re.M)
     return text.encode()
+
+
+def reauthored(repo: Repo, commit: str, identity: Identity) -> str:
+    """A commit object with ``commit``'s tree, parent and message, authored and
+    signed off by ``identity`` alone; git itself then writes the From: header
+    (its own encoding), so a re-export of the applied series is byte-identical."""
+    message = sign_off_as(repo.git("log", "-1", "--format=%B", commit).stdout.decode(), identity)
+    env = {**git_env(), "GIT_AUTHOR_NAME": identity.name, "GIT_AUTHOR_EMAIL": identity.email}
+    tree, parent = repo.out("rev-parse", f"{commit}^{{tree}}"), repo.out("rev-parse", f"{commit}^")
+    return repo.git("commit-tree", tree, "-p", parent, input=message.encode(), env=env).stdout.decode().strip()
+
+
+def series_identity(directory: Path) -> Identity | None:
+    """The one author the exported series already carries, if it has one."""
+    series_file = directory / "series"
+    if not series_file.is_file():
+        return None
+    found = set()
+    for entry in series_entries(series_file):
+        path = directory / entry
+        if path.is_file():
+            found.add(header_identity(path.read_text(errors="replace").partition("\n---\n")[0]))
+    return found.pop() if len(found) == 1 else None
 
 
 def _subject_of(data: bytes, tmp: Path) -> str:
@@ -49,7 +75,11 @@ def _subject_of(data: bytes, tmp: Path) -> str:
         tmp.unlink()
 
 
-def export(upstream: str, tree: Path, directory: Path, log: Callable[[str], None] = print) -> ExportResult:
+def export(upstream: str, tree: Path, directory: Path, log: Callable[[str], None] = print,
+           identity: Identity | None = None) -> ExportResult:
+    """Write one patch per commit. With ``identity`` every patch is authored
+    and signed off by it alone (see identity.py); without, by the identity
+    the series already has, or as committed when it has none."""
     repo = Repo(tree)
     if not repo.is_repo() or repo.ref(PRISTINE_REF) is None:
         raise DistBuildError(f"{tree}: not a prepared tree; run `make patched` first")
@@ -57,6 +87,7 @@ def export(upstream: str, tree: Path, directory: Path, log: Callable[[str], None
     if dirty:
         raise DistBuildError(f"{tree}: uncommitted changes ({dirty[0].strip()} ...); commit them, then export")
     commits = repo.out("rev-list", "--reverse", f"{PRISTINE_REF}..HEAD").split()
+    identity = identity or series_identity(directory)
     directory.mkdir(parents=True, exist_ok=True)
     series_file = directory / "series"
     old_entries = series_entries(series_file) if series_file.exists() else []
@@ -69,7 +100,7 @@ def export(upstream: str, tree: Path, directory: Path, log: Callable[[str], None
     new_entries: list[str] = []
     scratch = directory / ".export-subject.tmp"
     for index, commit in enumerate(commits, start=1):
-        data = render(repo, commit)
+        data = render(repo, commit, identity)
         subject = _subject_of(data, scratch)
         name = by_subject.get(subject) or f"{index:04d}-{slug(subject)}.patch"
         if name in new_entries:

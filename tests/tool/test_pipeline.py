@@ -130,3 +130,61 @@ def test_git_identity_does_not_leak_from_the_user(demo, monkeypatch):
     log = subprocess.run(["git", "log", "--format=%an %cI", "-1", "refs/dist/pristine"],
                          cwd=demo.work / "src" / "demo", capture_output=True, text=True).stdout
     assert log.strip() == "GLM-5.3 B300 distribution 2000-01-01T00:00:00+00:00"
+
+
+def _authors(directory) -> dict[str, tuple[str, list[str]]]:
+    found = {}
+    for entry in series_entries(directory / "series"):
+        header = (directory / entry).read_text().partition("\n---\n")[0]
+        author = next(line for line in header.splitlines() if line.startswith("From: "))
+        found[entry] = (author, [line for line in header.splitlines() if line.startswith("Signed-off-by:")])
+    return found
+
+
+def test_export_under_one_identity_authors_and_signs_every_patch(demo, tmp_path, capsys):
+    directory = demo.series(P1)
+    assert demo.run("patched") == 0
+    tree = demo.work / "src" / "demo"
+    core = tree / "demo" / "core.py"
+    core.write_text(core.read_text().replace("    return 7\n", "    return 77\n"))
+    repo = Repo(tree)
+    # A contributor's commit, signed twice by others: the forwarder re-signs it.
+    repo.git("-c", "user.name=Other", "-c", "user.email=other@localhost", "commit", "-qam",
+             "[Bugfix] f7 returns seventy-seven\n\nForwarded: not-yet\n"
+             "Signed-off-by: Other <other@localhost>\nSigned-off-by: Third <third@localhost>")
+    dev_tree = repo.tree()
+    assert demo.run("export", "demo", "--identity", "Jörg Forwarder <jf@example.org>") == 0
+    authors = _authors(directory)
+    assert len(authors) == 2
+    for author, sign_offs in authors.values():
+        assert author == "From: =?UTF-8?q?J=C3=B6rg=20Forwarder?= <jf@example.org>"
+        assert sign_offs == ["Signed-off-by: Jörg Forwarder <jf@example.org>"]
+    capsys.readouterr()
+    assert demo.run("lint") == 0
+    # The patches re-apply to the same tree, and a plain re-export keeps the identity.
+    demo.work = tmp_path / "fresh-work"
+    assert demo.run("patched") == 0
+    assert Repo(demo.work / "src" / "demo").tree() == dev_tree
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    assert demo.run("export", "demo") == 0
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+
+
+def test_lint_names_a_patch_signed_by_someone_else_and_a_mixed_series(demo, capsys):
+    other = P2[1].replace("Signed-off-by: Dev <dev@localhost>", "Signed-off-by: Eve <eve@localhost>")
+    other = other.replace("From: Dev <dev@localhost>", "From: Eve <eve@localhost>", 1)
+    unsigned_author = P1[1].replace("Signed-off-by: Dev <dev@localhost>", "Signed-off-by: Eve <eve@localhost>")
+    demo.series((P1[0], unsigned_author), (P2[0], other))
+    assert demo.run("lint") == 1
+    err = capsys.readouterr().err
+    assert f"{P1[0]}: signed off by Eve <eve@localhost>, authored by Dev <dev@localhost>" in err
+    assert "2 identities in one series: Dev <dev@localhost> (0001-return-fifty.patch); Eve <eve@localhost>" in err
+
+
+def test_export_refuses_a_malformed_identity_and_writes_nothing(demo, capsys):
+    directory = demo.series(P1)
+    assert demo.run("patched") == 0
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    assert demo.run("export", "demo", "--identity", "no-email-here") != 0
+    assert "--identity: 'no-email-here' is not an identity; write it as 'Full Name <name@host>'" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
