@@ -1,6 +1,7 @@
-"""kv-sizing: the write-up's cost model for the LMCache L2 (Valkey) tier, as an operator tool.
+"""kv-sizing: the write-up's cost model for the LMCache L2 (Valkey) tier of a cell, as an operator tool.
 
-model.py  the cost model (pure functions)
-resp.py   a bounded GET-bandwidth benchmark against one Valkey instance (stdlib only)
-cli.py    the command line (scripts/kv-sizing, or python -m kvsizing from scripts/)
+geometry.py  GLM-5.3 FP8's KV bytes per token and chunk, from the model's geometry
+model.py     the cost model for P pods sharing N shards (pure functions)
+native.py    a bounded GET-bandwidth measurement through LMCache's native RESP client
+cli.py       the command line (scripts/kv-sizing, or python -m kvsizing from scripts/)
 """

@@ -1,16 +1,21 @@
-"""kv-sizing: size a remote KV cache tier against recompute (the write-up's cost model).
+"""kv-sizing: size the LMCache L2 (Valkey) tier of a P/D cell against recompute (the write-up's cost model).
 
-Examples (the write-up's numbers):
+Examples:
 
+  kv-sizing --prefill-rate 16Ki/0.31s --prompt-tokens 16Ki --arrival-rate 4.8 \\
+            --prefill-pods 4 --instance-gbps 1.345            # the deployed 4P cell, 8 shards
   kv-sizing --chunk-bytes 12.4MB --chunk-tokens 256 --prefill-rate 16Ki/0.31s \\
-            --instance-gbps 0.9 --prompt-tokens 16Ki --arrival-rate 450/374s
-  kv-sizing ... --instance-gbps 1.345 --shards 8
+            --instance-gbps 0.9 --shards 1 --prompt-tokens 16Ki --arrival-rate 450/374s   # the write-up's run
+  kv-sizing --kv-row-bytes 656,132 ...                        # FLASHMLA_SPARSE's fp8_ds_mla rows
   kv-sizing --measure resp://valkey-lmcache-0.vllm.svc.cluster.local:6379
   kv-sizing --inputs cell.yaml --measure resp://10.0.3.7:6379 --json
 
-Numbers take SI suffixes (k, M, G = 10**3, 10**6, 10**9; Ki, Mi, Gi = 2**10..)
-and bytes take B (12.4MB, 48.4KB); a rate may be written COUNT/SECONDSs
-(16Ki/0.31s tokens per second, 450/374s requests per second).
+s defaults to GLM-5.3 FP8 with the presets: 78 layers x (576-byte MLA latent +
+132-byte DSA indexer) rows = 55,224 B per token, 14,137,344 B per 256-token
+chunk (kvsizing/geometry.py). Numbers take SI suffixes (k, M, G = 10**3,
+10**6, 10**9; Ki, Mi, Gi = 2**10..) and bytes take B (14.1MB, 55.2KB); a rate
+may be written COUNT/SECONDSs (16Ki/0.31s tokens per second, 450/374s
+requests per second).
 Exit status: 0 ok, 2 bad or missing input, 3 the measurement failed.
 """
 from __future__ import annotations
@@ -22,18 +27,21 @@ import re
 import sys
 from pathlib import Path
 
-from .model import GB, InputError, Inputs, evaluate
-from .resp import LIMITS, MeasureError, measure, parse_resp_url
+from . import geometry
+from .model import GB, LOADINGS, InputError, Inputs, evaluate
 
 FIELDS = {
     # name: (flag, help)
-    "kv_bytes_per_token": ("--kv-bytes-per-token", "KV bytes per token s (e.g. 48.4KB); or --chunk-bytes"),
-    "prefill_rate": ("--prefill-rate", "prefill rate R, tokens/s (e.g. 53k or 16Ki/0.31s)"),
+    "prefill_rate": ("--prefill-rate", "prefill rate R of one pod, tokens/s (e.g. 53k or 16Ki/0.31s)"),
     "instance_gbps": ("--instance-gbps", "GET bandwidth of one Valkey instance, GB/s (or --measure)"),
     "prompt_tokens": ("--prompt-tokens", "prompt length n, tokens (e.g. 16Ki = 16384)"),
-    "arrival_rate": ("--arrival-rate", "arrival rate lambda of cache hits, requests/s (e.g. 1.2 or 450/374s)"),
+    "arrival_rate": ("--arrival-rate", "arrival rate lambda of cache hits at the whole cell, requests/s "
+                                       "(e.g. 4.8 or 450/374s)"),
 }
-OPTIONAL = {"shards": 1, "target_rho": 0.5, "chunk_tokens": 256, "chunk_bytes": None}
+# Optional fields; None: derived (s from the geometry, N = W).
+OPTIONAL = {"kv_bytes_per_token": None, "chunk_bytes": None, "kv_row_bytes": None, "layers": geometry.LAYERS,
+            "chunk_tokens": geometry.CHUNK_TOKENS, "shards": None, "ranks": 8, "prefill_pods": 1,
+            "loading": "async", "lookup_timeout_s": 4.0, "target_rho": 0.5}
 
 _SUFFIX = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -41,7 +49,7 @@ _NUMBER = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(Ki|Mi|G
 
 
 def parse_number(text, what: str) -> float:
-    """12.4MB, 48.4KB, 53k, 16Ki, 0.9, 450/374s (a count per a duration)."""
+    """14.1MB, 55.2KB, 53k, 16Ki, 0.9, 450/374s (a count per a duration)."""
     if isinstance(text, bool):
         raise InputError(f"{what}: expected a number, got {text!r}")
     if isinstance(text, (int, float)):
@@ -60,7 +68,7 @@ def parse_number(text, what: str) -> float:
         return num / den
     m = _NUMBER.match(text)
     if not m:
-        raise InputError(f"{what}: {text!r} is not a number (examples: 12.4MB, 53k, 16Ki, 450/374s)")
+        raise InputError(f"{what}: {text!r} is not a number (examples: 14.1MB, 53k, 16Ki, 450/374s)")
     return float(m.group(1)) * _SUFFIX[m.group(2) or ""]
 
 
@@ -93,16 +101,36 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--inputs", type=Path, help="a YAML/JSON file with the fields below (flags override it)")
     for name, (flag, help_) in FIELDS.items():
         p.add_argument(flag, dest=name, help=help_)
-    p.add_argument("--chunk-bytes", dest="chunk_bytes", help="LMCache chunk size in bytes (12.4MB for GLM-5.3 FP8); "
-                   "with --chunk-tokens gives s, and is the value size --measure uses")
-    p.add_argument("--chunk-tokens", dest="chunk_tokens", help="tokens per LMCache chunk (default 256)")
-    p.add_argument("--shards", dest="shards", help="Valkey shards N a prompt's chunks are spread over (default 1)")
-    p.add_argument("--target-rho", dest="target_rho", help="utilisation to size for (default 0.5)")
-    p.add_argument("--measure", metavar="resp://HOST:PORT", help="measure one instance's GET bandwidth and use it as b")
-    p.add_argument("--measure-seconds", type=float, default=2.0, help="benchmark duration (default 2, max 60)")
-    p.add_argument("--measure-connections", type=int, default=4, help="parallel connections (default 4)")
-    p.add_argument("--measure-keys", type=int, default=8, help="chunk-sized values written (default 8)")
-    p.add_argument("--measure-max-gets", type=int, default=400, help="stop after this many GETs (default 400)")
+    kv = p.add_argument_group("KV bytes per token s (one of; default: GLM-5.3 FP8 with the presets, "
+                              f"{geometry.KV_BYTES_PER_TOKEN:,} B)")
+    kv.add_argument("--kv-bytes-per-token", dest="kv_bytes_per_token", help="s itself (e.g. 55.2KB)")
+    kv.add_argument("--chunk-bytes", dest="chunk_bytes", help="bytes of one LMCache chunk; s = this / --chunk-tokens "
+                    "(the write-up's 12.4MB is the latent part alone)")
+    kv.add_argument("--kv-row-bytes", dest="kv_row_bytes", metavar="B[,B...]",
+                    help="bytes per token and layer of each cache part, summed (default "
+                         f"{geometry.LATENT_ROW_BYTES},{geometry.INDEXER_ROW_BYTES}: latent, indexer; "
+                         f"{geometry.FP8_DS_MLA_ROW_BYTES},{geometry.INDEXER_ROW_BYTES} with fp8_ds_mla)")
+    kv.add_argument("--layers", dest="layers", help=f"layers with KV, for --kv-row-bytes (default {geometry.LAYERS})")
+    p.add_argument("--chunk-tokens", dest="chunk_tokens", help=f"tokens per LMCache chunk (default "
+                   f"{geometry.CHUNK_TOKENS})")
+    cell = p.add_argument_group("the cell")
+    cell.add_argument("--prefill-pods", dest="prefill_pods", help="prefill pods P sharing the shards (default 1)")
+    cell.add_argument("--ranks", dest="ranks", help="ranks W of one prefill pod, PCP x TP (default 8)")
+    cell.add_argument("--shards", dest="shards", help="Valkey instances N (default: W, one per rank, as deployed; "
+                      "rank r reads instance r mod N)")
+    cell.add_argument("--loading", dest="loading", choices=LOADINGS,
+                      help="async (the presets' enable_async_loading, default) or sync (inside the engine step)")
+    cell.add_argument("--lookup-timeout", dest="lookup_timeout_s", metavar="S",
+                      help="async lookup timeout, seconds (default 4: lookup_timeout_ms of the preset)")
+    cell.add_argument("--target-rho", dest="target_rho", help="tier utilisation to size for (default 0.5)")
+    m = p.add_argument_group("--measure (LMCache's native RESP client)")
+    m.add_argument("--measure", metavar="resp://HOST:PORT", help="measure one instance's GET bandwidth and use it as b")
+    m.add_argument("--measure-seconds", type=float, default=2.0, help="benchmark duration (default 2, max 60)")
+    m.add_argument("--measure-connections", type=int, default=32,
+                   help="native client workers (default 32: resp_num_threads of the preset)")
+    m.add_argument("--measure-keys", type=int, default=32,
+                   help="chunk-sized values, all GET in each round (default 32)")
+    m.add_argument("--measure-max-gets", type=int, default=400, help="stop after this many GETs (default 400)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -122,28 +150,55 @@ def collect(args: argparse.Namespace) -> tuple[dict, bool]:
         if value is not None:
             raw[name] = value
     # Only the size of a chunk? Then --measure alone runs, without the model.
-    given = any(k in raw for k in FIELDS if k != "kv_bytes_per_token")
+    given = any(k in raw for k in FIELDS)
     return raw, given
 
 
-def chunk_size(raw: dict) -> tuple[float | None, int]:
+def _row_bytes(raw: dict) -> tuple[int, ...]:
+    value = raw.get("kv_row_bytes")
+    if value is None:
+        return geometry.ROW_BYTES
+    parts = value if isinstance(value, list) else str(value).split(",")
+    rows = tuple(_int(part.strip() if isinstance(part, str) else part, "kv_row_bytes") for part in parts)
+    if not rows or any(r <= 0 for r in rows):
+        raise InputError(f"kv_row_bytes: expected positive byte counts per part (e.g. 576,132), got {value!r}")
+    return rows
+
+
+def kv_size(raw: dict) -> tuple[float, int, str]:
+    """(s in bytes per token, tokens per chunk, where s comes from)."""
     tokens = _int(raw.get("chunk_tokens", OPTIONAL["chunk_tokens"]), "chunk_tokens")
     if tokens <= 0:
         raise InputError(f"chunk_tokens: must be > 0, got {tokens}")
-    chunk = raw.get("chunk_bytes")
-    if chunk is not None:
-        chunk = parse_number(chunk, "chunk_bytes")
-        if chunk <= 0:
+    given = [k for k in ("kv_bytes_per_token", "chunk_bytes", "kv_row_bytes") if raw.get(k) is not None]
+    if len(given) > 1:
+        raise InputError(f"give one of kv_bytes_per_token, chunk_bytes, kv_row_bytes, not {' and '.join(given)}")
+    if "layers" in raw and "kv_row_bytes" not in raw and given:
+        raise InputError("layers: only with kv_row_bytes (or the default rows)")
+    if given == ["kv_bytes_per_token"]:
+        s = parse_number(raw["kv_bytes_per_token"], "kv_bytes_per_token")
+        source = "given"
+    elif given == ["chunk_bytes"]:
+        chunk = parse_number(raw["chunk_bytes"], "chunk_bytes")
+        if not math.isfinite(chunk) or chunk <= 0:
             raise InputError(f"chunk_bytes: must be > 0, got {chunk:g}")
-    return chunk, tokens
+        s = chunk / tokens
+        source = f"{chunk:,.0f} B per {tokens}-token chunk, given"
+    else:
+        rows = _row_bytes(raw)
+        layers = _int(raw.get("layers", OPTIONAL["layers"]), "layers")
+        if layers <= 0:
+            raise InputError(f"layers: must be > 0, got {layers}")
+        s = float(geometry.bytes_per_token(rows, layers))
+        what = " + ".join(str(r) for r in rows)
+        source = f"{layers} layers x ({what}) B" + ("" if given else ": GLM-5.3 FP8 with the presets")
+    if not math.isfinite(s) or s <= 0:
+        raise InputError(f"kv_bytes_per_token: must be > 0, got {s:g}")
+    return s, tokens, source
 
 
 def build_inputs(raw: dict, measured_bandwidth: float | None) -> Inputs:
-    chunk, tokens = chunk_size(raw)
-    if "kv_bytes_per_token" in raw and chunk is not None:
-        raise InputError("give either kv_bytes_per_token or chunk_bytes (with chunk_tokens), not both")
-    if chunk is not None:
-        raw = {**raw, "kv_bytes_per_token": chunk / tokens}
+    s, _, _ = kv_size(raw)
     if measured_bandwidth is not None:
         if "instance_gbps" in raw:
             raise InputError("give either --instance-gbps or --measure, not both")
@@ -156,72 +211,112 @@ def build_inputs(raw: dict, measured_bandwidth: float | None) -> Inputs:
     for name, value in values.items():  # named as the user gave them
         if not math.isfinite(value) or value <= 0:
             raise InputError(f"{name}: must be > 0, got {value:g}")
+    ranks = _int(raw.get("ranks", OPTIONAL["ranks"]), "ranks")
+    shards = raw.get("shards")
+    loading = raw.get("loading", OPTIONAL["loading"])
     return Inputs(
-        kv_bytes_per_token=values["kv_bytes_per_token"],
+        kv_bytes_per_token=s,
         prefill_rate=values["prefill_rate"],
         instance_bandwidth=values["instance_gbps"] * GB,
         prompt_tokens=values["prompt_tokens"],
         arrival_rate=values["arrival_rate"],
-        shards=_int(raw.get("shards", OPTIONAL["shards"]), "shards"),
+        shards=ranks if shards is None else _int(shards, "shards"),
         target_rho=parse_number(raw.get("target_rho", OPTIONAL["target_rho"]), "target_rho"),
+        prefill_pods=_int(raw.get("prefill_pods", OPTIONAL["prefill_pods"]), "prefill_pods"),
+        ranks=ranks,
+        loading=loading,
+        lookup_timeout_s=parse_number(raw.get("lookup_timeout_s", OPTIONAL["lookup_timeout_s"]), "lookup_timeout_s"),
     )
+
+
+def warnings_for(i: Inputs) -> list[str]:
+    if i.shards == i.ranks:
+        return []
+    return [f"{i.shards} instance(s) for {i.ranks} ranks: the deployment has one instance per rank "
+            f"(rank r reads valkey-lmcache-r, N = W by construction); modelled as rank r reading instance r mod "
+            f"{i.shards}" + (f", {i.shards - i.ranks} instance(s) idle" if i.shards > i.ranks else "")]
 
 
 def _gb(x: float) -> str:
     return f"{x / GB:.3f} GB"
 
 
-def report(i: Inputs, measured=None, chunk_tokens: int = 256) -> str:
+def report(i: Inputs, source: str, measured=None, chunk_tokens: int = 256) -> str:
     r = evaluate(i)
+    chunk = i.kv_bytes_per_token * chunk_tokens
     lines = ["inputs"]
-    lines.append(f"  KV bytes per token s              {i.kv_bytes_per_token:,.1f} B"
-                 f"  ({i.kv_bytes_per_token * chunk_tokens / 1e6:.2f} MB per {chunk_tokens}-token chunk)")
+    lines.append(f"  KV bytes per token s              {i.kv_bytes_per_token:,.1f} B  ({source}; "
+                 f"{chunk / 1e6:.2f} MB = {chunk / 2**20:.2f} MiB per {chunk_tokens}-token chunk)")
     lines.append(f"  prefill rate R                    {i.prefill_rate:,.0f} tokens/s")
-    source = f"measured at {measured.url}" if measured else "given"
-    lines.append(f"  per-instance bandwidth b          {i.instance_bandwidth / GB:.3f} GB/s ({source})")
-    lines.append(f"  shards N                          {i.shards}  (aggregate B = N*b = {_gb(r.aggregate_bandwidth)}/s)")
+    src = f"measured at {measured.url}" if measured else "given"
+    lines.append(f"  per-instance bandwidth b          {i.instance_bandwidth / GB:.3f} GB/s ({src})")
+    lines.append(f"  cell                              {i.prefill_pods} prefill pod(s) x {i.ranks} ranks, "
+                 f"{i.shards} instance(s) shared by every pod (B = N*b = {_gb(r.aggregate_bandwidth)}/s)")
+    timeout = f", lookup timeout {i.lookup_timeout_s:g} s" if i.loading == "async" else ", inside the engine step"
+    lines.append(f"  loading                           {i.loading}{timeout}")
     lines.append(f"  prompt length n                   {i.prompt_tokens:,.0f} tokens")
-    lines.append(f"  arrival rate lambda               {i.arrival_rate:.3f} requests/s")
+    lines.append(f"  arrival rate lambda (cell)        {i.arrival_rate:.3f} requests/s")
     lines.append("results")
     lines.append(f"  break-even bandwidth B* = s*R     {_gb(r.break_even_bandwidth)}/s per prompt")
     chunks = math.ceil(i.prompt_tokens / chunk_tokens)
     lines.append(f"  prompt KV n*s                     {_gb(r.prompt_bytes)}  ({chunks} chunks of {chunk_tokens} tokens)")
-    lines.append(f"  load time T_load = n*s/B          {r.load_seconds:.3f} s")
+    lines.append(f"  per-rank share n*s/W              {r.per_rank_bytes / 1e6:.1f} MB  "
+                 f"({r.per_rank_seconds:.3f} s from its instance, alone)")
+    lines.append(f"  load time T_load = n*s/B          {r.load_seconds:.3f} s  (one prompt alone)")
     lines.append(f"  recompute time n/R                {r.recompute_seconds:.3f} s")
     verdict = "yes" if r.hit_pays_off else "no"
     share = r.aggregate_bandwidth / r.break_even_bandwidth
     lines.append(f"  a hit pays off (B > B*)           {verdict}: B is {share:.0%} of B*")
     state = "steady state" if r.steady_state else "NO steady state: the queue grows while this load lasts"
-    lines.append(f"  utilisation rho = lambda*T_load   {r.rho:.3f}  ({state})")
-    n = r.shards_for_target_rho
-    t = r.prompt_bytes / (n * i.instance_bandwidth)
-    lines.append(f"  smallest N for rho <= {i.target_rho:g}        {n}  (T_load {t:.3f} s, rho {i.arrival_rate * t:.3f})")
-    lines.append(f"  smallest N for B > B*             {r.shards_for_break_even}")
+    lines.append(f"  utilisation rho = lambda*T_load   {r.rho:.3f}  ({state})  [each instance: lambda*n*s/(N*b)]")
+    pays = "above" if r.all_pods_pays_off else "BELOW"
+    label = f"all {i.prefill_pods} pod(s) loading at once"
+    lines.append(f"  {label:<34}B/P = {_gb(r.all_pods_bandwidth)}/s per prompt "
+                 f"({pays} B*), T_load {r.all_pods_load_seconds:.3f} s")
+    if i.loading == "async":
+        if r.mean_load_seconds is None:
+            lines.append("  async: load under contention      no steady state: loads queue without bound and "
+                         f"time out at {i.lookup_timeout_s:g} s")
+        else:
+            within = "within" if r.load_within_timeout else "NOT within"
+            lines.append(f"  async: mean load T_load/(1-rho)   {r.mean_load_seconds:.3f} s at "
+                         f"{_gb(r.mean_prompt_bandwidth)}/s per prompt ({within} the {i.lookup_timeout_s:g} s "
+                         "lookup timeout)")
+    else:
+        lines.append(f"  sync: pod utilisation rho_pod     {r.pod_rho_low:.3f} .. {r.pod_rho_high:.3f}  "
+                     "(loads never overlap .. every load overlaps one per other pod)")
+    label = f"for rho <= {i.target_rho:g}"
+    lines.append(f"  {label:<34}b >= {_gb(r.instance_bandwidth_for_target)}/s per "
+                 f"instance, or lambda <= {r.max_arrival_rate_for_target:.2f} requests/s at this b")
     return "\n".join(lines)
 
 
 def measurement_text(m) -> str:
-    return (f"measured {m.url} ({m.server}): {m.bandwidth / GB:.3f} GB/s per instance, "
-            f"{m.gets} GETs of {m.chunk_bytes / 1e6:.2f} MB over {m.connections} connections in {m.seconds:.2f} s "
-            f"(GET p50 {m.get_p50_ms:.1f} ms, p99 {m.get_p99_ms:.1f} ms)")
+    bound = ("  CLIENT-BOUND: the client used "
+             f"{m.client_cpu_cores:.2f} of {m.usable_cores} cores; b is a lower bound of the instance's rate"
+             if m.client_bound else "")
+    return (f"measured {m.url} with {m.client}: {m.bandwidth / GB:.3f} GB/s per instance, "
+            f"{m.gets} GETs of {m.chunk_bytes / 1e6:.2f} MB ({m.keys} in flight) in {m.seconds:.2f} s "
+            f"(round p50 {m.round_p50_ms:.1f} ms, p99 {m.round_p99_ms:.1f} ms); client CPU "
+            f"{m.client_cpu_seconds:.2f} s = {m.client_cpu_cores:.2f} cores of {m.usable_cores}" + bound)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         raw, given = collect(args)
+        s, tokens, source = kv_size(raw)
         measured = None
         if args.measure:
+            from .native import LIMITS, MeasureError, measure, parse_resp_url
+
             try:
                 parse_resp_url(args.measure)
             except ValueError as e:
                 raise InputError(f"--measure: {e}") from None
             if raw.get("instance_gbps") is not None:
                 raise InputError("give either --instance-gbps or --measure, not both")
-            chunk, tokens = chunk_size(raw)
-            if chunk is None and raw.get("kv_bytes_per_token") is not None:
-                chunk = parse_number(raw["kv_bytes_per_token"], "kv_bytes_per_token") * tokens
-            chunk = int(round(chunk if chunk is not None else 12_400_000))
+            chunk = int(round(s * tokens))
             if chunk > LIMITS["chunk_bytes"]:
                 raise InputError(f"chunk size {chunk} bytes: above Valkey's 512 MB bulk limit")
             try:
@@ -230,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
                                    max_gets=args.measure_max_gets)
             except ValueError as e:
                 raise InputError(f"--measure: {e}") from None
+            except MeasureError as e:
+                print(f"kv-sizing: error: measurement failed: {e}", file=sys.stderr)
+                return 3
         if measured is not None and not given:
             print(json.dumps({"measurement": measured.as_dict()}, indent=2) if args.json else measurement_text(measured))
             return 0
@@ -238,16 +336,17 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"kv-sizing: error: {e}", file=sys.stderr)
         return 2
-    except MeasureError as e:
-        print(f"kv-sizing: error: measurement failed: {e}", file=sys.stderr)
-        return 3
+    warnings = warnings_for(inputs)
+    for w in warnings:
+        print(f"kv-sizing: warning: {w}", file=sys.stderr)
     if args.json:
-        out = {"inputs": inputs.__dict__, "results": result.as_dict()}
+        out = {"inputs": {**inputs.__dict__, "kv_source": source, "chunk_tokens": tokens},
+               "results": result.as_dict(), "warnings": warnings}
         if measured:
             out["measurement"] = measured.as_dict()
         print(json.dumps(out, indent=2))
     else:
         if measured:
             print(measurement_text(measured))
-        print(report(inputs, measured, chunk_size(raw)[1]))
+        print(report(inputs, source, measured, tokens))
     return 0

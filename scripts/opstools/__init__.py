@@ -5,8 +5,9 @@ Five tools, each behind a thin script in ``scripts/``:
 - ``replay``: open-loop replay of a JSONL request stream against an
   OpenAI-compatible endpoint, TTFT percentiles, SLA gates, CSV and PNGs
   (``replay_cli``; a ``generate`` subcommand writes synthetic streams).
-- ``valkey-stats``: samples ``INFO commandstats`` and ``INFO cpu`` from every
-  Valkey shard (``valkey_cli``).
+- ``valkey-stats``: samples ``INFO commandstats cpu stats memory`` from every
+  Valkey shard: per-command time, busy share, evictions, misses, memory
+  (``valkey_sampler``, ``valkey_plots``, ``valkey_cli``).
 - ``needle``: needle-in-a-haystack prompts at exact token lengths, run cold,
   from L1, from L2 after a restart, and cold again (``needle_cli``).
 - ``profile-capture``: the Nsight Systems command, the start/stop profiling

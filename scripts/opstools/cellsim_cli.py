@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvsizing.geometry import CHUNK_BYTES
+
 from . import gates as gate_rules
 from .common import (
     EXIT_ERROR,
@@ -28,7 +30,7 @@ DESCRIPTION = """\
 Simulate prefill pods loading KV from Valkey shards, to see before deploying
 whether a cache tier keeps up: requests arrive (Poisson, or a replay stream),
 go to the pods round-robin; each pod's PCP group runs in lockstep; each shard
-is one single-threaded server spending --get-ms per 12.4 MB GET. Synchronous
+is one single-threaded server spending --get-ms per chunk GET. Synchronous
 loading freezes the pod for its load; asynchronous loading delays only its
 request, up to the async lookup timeout, then recomputes. Model and its
 limits: scripts/README.md and scripts/opstools/cellsim_model.py.
@@ -75,7 +77,9 @@ def _add_cell_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
                        help="server time per chunk GET (valkey-stats' usec per GET / 1000; write-up H5b: 8.9)")
     speed.add_argument("--instance-gbps", type=positive_float, default=0.835, metavar="GB_S",
                        help="one instance's bandwidth; a GET costs chunk-mb / this (write-up: 0.78-0.89)")
-    cell.add_argument("--chunk-mb", type=positive_float, default=12.4, help="MB per chunk (GLM-5.3 FP8: 12.4)")
+    cell.add_argument("--chunk-mb", type=positive_float, default=CHUNK_BYTES / 1e6,
+                      help="MB per chunk (GLM-5.3 FP8 with the presets: 14.137, latent + DSA indexer rows; "
+                           "the write-up's runs: 12.4, the latent alone)")
     cell.add_argument("--chunk-tokens", type=positive_int, default=256)
     cell.add_argument("--recompute-s", type=positive_float, default=0.31, metavar="S",
                       help="seconds to prefill --recompute-tokens from scratch (write-up: 0.31 s for 16k)")

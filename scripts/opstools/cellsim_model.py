@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import simpy
+from kvsizing.geometry import CHUNK_BYTES
 
 STORES = ("sharded", "rank0")
 LOADINGS = ("sync", "async")
@@ -51,7 +52,7 @@ class CellConfig:
     shards: int = 1  # Valkey instances (N)
     store: str = "sharded"
     loading: str = "sync"
-    get_s: float = 12.4e6 / 0.835e9  # server time per 12.4 MB GET at 0.835 GB/s
+    get_s: float = CHUNK_BYTES / 0.835e9  # server time per 14.1 MB chunk GET at 0.835 GB/s (16.9 ms)
     chunk_tokens: int = 256
     prefill_tokens_per_s: float = 16_384 / 0.31
     async_timeout_s: float = 3.0

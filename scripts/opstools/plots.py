@@ -1,21 +1,16 @@
 """PNG plots (matplotlib, Agg backend, no display needed).
 
 Replay: TTFT over send time, TTFT CDF, requests in flight over time, output
-throughput with TPOT/ITL and send lag.
-Valkey: GET calls/s, microseconds per GET and main-thread CPU per shard.
+throughput with TPOT/ITL and send lag. (valkey-stats' plot: valkey_plots.py.)
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .gates import TTFT_METRICS, GateResult
 from .records import RequestRecord
 from .stats import THIRD_NAMES, ReplaySummary, in_flight_steps, third_boundaries
-
-if TYPE_CHECKING:
-    from .valkey_sampler import IntervalStats
 
 DPI = 110
 
@@ -216,48 +211,3 @@ def plot_throughput(
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
-
-def plot_valkey(path: Path, intervals: Sequence[IntervalStats], title: str) -> None:
-    """Three stacked panels sharing the time axis, one colour per shard.
-
-    Bottom panel: main-thread CPU (solid) and the share of wall-clock time the
-    server spent executing GETs (dashed), both in % of one core.
-    """
-    plt = _pyplot()
-    fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
-    shards = sorted({i.shard for i in intervals})
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    top = 0.0
-    for n, shard in enumerate(shards):
-        color = colors[n % len(colors)]
-        rows = [i for i in intervals if i.shard == shard and i.error == ""]
-        xs = [i.end_s for i in rows]
-        label = f"shard {shard}"
-        axes[0].plot(xs, [i.get_calls_per_s for i in rows], marker=".", color=color, label=label)
-        axes[1].plot(xs, [i.get_usec_per_call if i.get_usec_per_call is not None else float("nan") for i in rows],
-                     marker=".", color=color, label=label)
-        axes[2].plot(xs, [i.main_cpu_pct for i in rows], marker=".", color=color,
-                     label=f"shard {shard}: main-thread CPU")
-        axes[2].plot(xs, [i.get_busy_pct for i in rows], linestyle="--", color=color,
-                     label=f"shard {shard}: executing GETs")
-        top = max([top, *(i.main_cpu_pct for i in rows), *(i.get_busy_pct for i in rows)])
-        failed = [i for i in intervals if i.shard == shard and i.error]
-        if failed:
-            axes[0].plot([i.end_s for i in failed], [0] * len(failed), "x", color="red", markersize=8,
-                         label="failed sample" if n == 0 else None)
-    axes[0].set_ylabel("GET calls / s")
-    axes[1].set_ylabel("µs per GET (server time)")
-    axes[2].set_ylabel("% of wall-clock time")
-    if top > 50:
-        axes[2].axhline(100, color="red", linestyle=":", linewidth=1)
-    axes[2].set_xlabel("time (s after start)")
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-        ax.set_ylim(bottom=0)
-    if len(shards) <= 8:
-        axes[0].legend(loc="upper right", fontsize=8, ncol=min(len(shards) + 1, 4))
-        axes[2].legend(loc="upper right", fontsize=7, ncol=2)
-    axes[0].set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)

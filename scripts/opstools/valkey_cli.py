@@ -23,14 +23,17 @@ from .common import (
     prepare_out_dir,
     utc_iso,
 )
+from .valkey_sampler import COMMANDS
 
 TOOL = "valkey-stats"
 
 DESCRIPTION = """\
-Every --interval seconds, read INFO commandstats and INFO cpu from every Valkey shard
-and report per interval: GET calls/s, server microseconds per GET, share of the
-main thread's time spent in GETs, and main-thread CPU (% of one core). Stops after
---duration, or cleanly on Ctrl-C (SIGINT) or SIGTERM; outputs are written either way.
+Every --interval seconds, read INFO commandstats, cpu, stats and memory from every
+Valkey shard and report per interval and shard: for GET, SET, EXISTS and MGET the
+calls/s, server microseconds per call and share of the main thread's time spent in
+them; the total main-thread busy share and main-thread CPU (% of one core); evicted
+keys, keyspace hits and misses, and used memory. Stops after --duration, or cleanly
+on Ctrl-C (SIGINT) or SIGTERM; outputs are written either way.
 
 examples:
   scripts/valkey-stats --url-template 'resp://valkey-lmcache-{rank}.vllm.svc.cluster.local:6379' \\
@@ -40,14 +43,19 @@ examples:
 
 EPILOG = """\
 outputs in --out: intervals.csv (one row per shard and interval), summary.json,
-valkey_stats.png. URLs: resp://, redis://, valkey:// (rediss:// for TLS), user:password@
+valkey_stats.png (per command calls/s and time per call, busy and CPU, evictions and
+misses, used memory). URLs: resp://, redis://, valkey:// (rediss:// for TLS), user:password@
 and /db allowed. Exit: 0 done, 1 some samples failed, 2 error (a shard does not answer
 at the start, bad URL).
 """
 
 CSV_COLUMNS = (
-    "shard", "url", "start_s", "end_s", "end_at_utc", "interval_s", "get_calls", "get_calls_per_s",
-    "get_usec_per_call", "get_busy_pct", "main_cpu_pct", "cpu_source", "other_calls_per_s", "error",
+    "shard", "url", "start_s", "end_s", "end_at_utc", "interval_s",
+    *(f"{cmd}_{what}" for cmd in COMMANDS
+      for what in ("calls", "calls_per_s", "usec_per_call", "busy_pct")),
+    "total_busy_pct", "main_cpu_pct", "cpu_source", "other_calls_per_s",
+    "evicted_keys", "evicted_keys_per_s", "keyspace_hits", "keyspace_misses", "keyspace_misses_per_s",
+    "used_memory_bytes", "maxmemory_bytes", "error",
 )
 
 
@@ -74,15 +82,40 @@ def _cell(value: object) -> str:
     return str(value)
 
 
+def interval_row(row) -> dict[str, str]:
+    values: dict[str, object] = {
+        "shard": row.shard, "url": row.url, "start_s": row.start_s, "end_s": row.end_s,
+        "end_at_utc": utc_iso(row.end_epoch_s), "interval_s": row.interval_s, "error": row.error,
+    }
+    if not row.error:
+        for name in COMMANDS:
+            stats = row.command(name)
+            values.update({f"{name}_calls": stats.calls, f"{name}_calls_per_s": stats.calls_per_s,
+                           f"{name}_usec_per_call": stats.usec_per_call, f"{name}_busy_pct": stats.busy_pct})
+        values.update({
+            "total_busy_pct": row.total_busy_pct, "main_cpu_pct": row.main_cpu_pct, "cpu_source": row.cpu_source,
+            "other_calls_per_s": row.other_calls_per_s, "evicted_keys": row.evicted_keys,
+            "evicted_keys_per_s": row.per_s(row.evicted_keys), "keyspace_hits": row.keyspace_hits,
+            "keyspace_misses": row.keyspace_misses, "keyspace_misses_per_s": row.per_s(row.keyspace_misses),
+            "used_memory_bytes": row.used_memory_bytes, "maxmemory_bytes": row.maxmemory_bytes,
+        })
+    return {c: _cell(values.get(c)) for c in CSV_COLUMNS}
+
+
 def write_intervals_csv(path: Path, intervals: list) -> None:
     with path.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         for row in intervals:
-            values = asdict(row)
-            values["interval_s"] = row.interval_s
-            values["end_at_utc"] = utc_iso(row.end_epoch_s)
-            writer.writerow({c: _cell(values.get(c)) for c in CSV_COLUMNS})
+            writer.writerow(interval_row(row))
+
+
+def _per_call(value: float | None) -> str:
+    return f"{value:.1f}" if value is not None else "-"
+
+
+def _usec(value: float | None) -> str:
+    return f"{value:.0f} us" if value is not None else "-"
 
 
 def format_interval_line(intervals: list) -> str:
@@ -92,11 +125,14 @@ def format_interval_line(intervals: list) -> str:
         return "  ".join(f"shard {i.shard}: {i.error}" for i in bad) or "no data"
     end = max(i.end_s for i in good)
     total = sum(i.get_calls_per_s for i in good)
-    busiest = max(good, key=lambda i: i.main_cpu_pct)
-    usec = f"{busiest.get_usec_per_call:.0f} us/GET" if busiest.get_usec_per_call is not None else "no GETs"
-    line = (f"[{end:7.1f} s] GET/s all shards {total:9.1f} | busiest main thread: shard {busiest.shard} "
-            f"{busiest.main_cpu_pct:5.1f}% CPU, {busiest.get_busy_pct:5.1f}% in GETs, "
-            f"{busiest.get_calls_per_s:.1f} GET/s, {usec}")
+    busiest = max(good, key=lambda i: max(i.main_cpu_pct, i.total_busy_pct))
+    per_command = ", ".join(f"{name.upper()} {busiest.command(name).calls_per_s:.1f}/s "
+                            f"{_usec(busiest.command(name).usec_per_call)}" for name in COMMANDS)
+    line = (f"[{end:7.1f} s] GET/s all shards {total:9.1f}, evicted {sum(i.evicted_keys for i in good)}, "
+            f"misses {sum(i.keyspace_misses for i in good)} | busiest: shard {busiest.shard} "
+            f"{busiest.main_cpu_pct:5.1f}% CPU, {busiest.total_busy_pct:5.1f}% busy "
+            f"({busiest.get_busy_pct:.1f}% in GETs): {per_command}; "
+            f"{(busiest.used_memory_bytes or 0) / 2**20:.0f} MiB used")
     if bad:
         line += " | failed: " + ", ".join(f"shard {i.shard} ({i.error})" for i in bad)
     return line
@@ -111,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from . import plots
+    from . import valkey_plots
     from .valkey_sampler import Sampler, expand_targets, summarize_shards
 
     targets = expand_targets(args.url_template, args.shards, args.url)
@@ -152,12 +188,16 @@ def _run(args: argparse.Namespace) -> int:
     plotted = bool(intervals) and not args.no_plots
     if plotted:
         title = f"Valkey: {len(targets)} shard(s), {args.interval:g} s intervals"
-        plots.plot_valkey(out / "valkey_stats.png", intervals, title)
-    print(f"{'shard':>5} {'GET/s':>10} {'us/GET':>9} {'in GETs':>8} {'max':>7} {'main CPU':>9} {'max':>7}  url")
+        valkey_plots.plot_valkey(out / "valkey_stats.png", intervals, title)
+    print(f"{'shard':>5} " + " ".join(f"{name.upper() + '/s':>9} {'us/' + name.upper():>9}" for name in COMMANDS)
+          + f" {'busy':>7} {'max':>7} {'main CPU':>9} {'max':>7} {'evicted':>8} {'misses':>8} {'used MiB':>9}  url")
     for s in summaries:
-        usec = f"{s.get_usec_per_call:.1f}" if s.get_usec_per_call is not None else "-"
-        print(f"{s.shard:>5} {s.mean_get_calls_per_s:>10.1f} {usec:>9} {s.mean_get_busy_pct:>7.1f}% "
-              f"{s.max_get_busy_pct:>6.1f}% {s.mean_main_cpu_pct:>8.1f}% {s.max_main_cpu_pct:>6.1f}%  {s.url}")
+        cells = " ".join(f"{s.commands[n].mean_calls_per_s:>9.1f} {_per_call(s.commands[n].usec_per_call):>9}"
+                         for n in COMMANDS)
+        used = f"{s.last_used_memory_bytes / 2**20:.1f}" if s.last_used_memory_bytes is not None else "-"
+        print(f"{s.shard:>5} {cells} {s.mean_total_busy_pct:>6.1f}% {s.max_total_busy_pct:>6.1f}% "
+              f"{s.mean_main_cpu_pct:>8.1f}% {s.max_main_cpu_pct:>6.1f}% {s.evicted_keys:>8} {s.keyspace_misses:>8} "
+              f"{used:>9}  {s.url}")
     written = "intervals.csv, summary.json" + (", valkey_stats.png" if plotted else "")
     print(f"written: {out}/{written}")
     if sampler.failed_samples:

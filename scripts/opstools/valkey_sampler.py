@@ -1,17 +1,25 @@
 """Samples Valkey's server-side statistics from every shard, per interval.
 
-Each sample is one ``INFO commandstats cpu`` call per shard (one round trip,
-so the counters and CPU times are from the same instant), taken from all
-shards at once. Between two samples of a shard the sampler reports:
+Each sample is one ``INFO commandstats cpu stats memory`` call per shard (one
+round trip, so the counters, CPU times and memory are from the same instant),
+taken from all shards at once. Between two samples of a shard the sampler
+reports, for each of GET, SET, EXISTS and MGET (the commands LMCache's RESP
+client sends: loads, stores, lookups):
 
-``get_calls_per_s``
-    GET commands executed per second (``cmdstat_get.calls`` delta / elapsed).
-``get_usec_per_call``
-    server time per GET in that interval (``cmdstat_get.usec`` delta / calls
-    delta), not the lifetime average Valkey prints as ``usec_per_call``.
-``get_busy_pct``
-    share of wall-clock time the main thread spent executing GETs
+``<cmd>_calls_per_s``
+    commands executed per second (``cmdstat_<cmd>.calls`` delta / elapsed).
+``<cmd>_usec_per_call``
+    server time per command in that interval (``usec`` delta / calls delta),
+    not the lifetime average Valkey prints as ``usec_per_call``.
+``<cmd>_busy_pct``
+    share of wall-clock time the main thread spent executing that command
     (``usec`` delta / elapsed): the write-up's "73-91% on GETs".
+
+and for the shard:
+
+``total_busy_pct``
+    share of wall-clock time spent executing any command (every
+    ``cmdstat_*`` usec, the sampler's INFO included).
 ``main_cpu_pct``
     CPU time of the main thread per wall-clock time, in % of one core:
     ``used_cpu_user_main_thread + used_cpu_sys_main_thread`` where the server
@@ -19,6 +27,12 @@ shards at once. Between two samples of a shard the sampler reports:
     the whole process (``cpu_source`` says which).
 ``other_calls_per_s``
     every other command except INFO (the sampler's own) per second.
+``evicted_keys``, ``keyspace_hits``, ``keyspace_misses``
+    deltas of INFO stats over the interval: evictions under maxmemory, and
+    the key lookups that found / did not find their key (a GET of an
+    evicted chunk after its EXISTS said it was there is a miss).
+``used_memory_bytes``, ``maxmemory_bytes``
+    INFO memory at the end of the interval (gauges, not deltas).
 
 A counter that goes down (restart, ``CONFIG RESETSTAT``) starts a new
 baseline: that interval is reported with ``error = "counters reset"``.
@@ -29,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -37,6 +51,9 @@ from .common import OpsError
 
 SCHEMES = {"resp": False, "redis": False, "valkey": False, "tcp": False, "rediss": True, "valkeys": True}
 DEFAULT_PORT = 6379
+COMMANDS = ("get", "set", "exists", "mget")
+INFO_SECTIONS = ("commandstats", "cpu", "stats", "memory")
+_COUNTERS = ("evicted_keys", "keyspace_hits", "keyspace_misses")
 
 
 @dataclass(frozen=True)
@@ -103,22 +120,44 @@ def expand_targets(template: str | None, shards: int | None, urls: list[str]) ->
 class ServerSample:
     at_s: float  # seconds after the sampler's start (monotonic, mid-call)
     epoch_s: float
-    get_calls: int
-    get_usec: int
-    other_calls: int
+    calls: Mapping[str, int]  # per command of COMMANDS
+    usec: Mapping[str, int]
+    total_usec: int  # every command, INFO included
+    other_calls: int  # every command but COMMANDS and INFO
     cpu_s: float
     cpu_source: str  # "main_thread" or "process"
+    evicted_keys: int = 0
+    keyspace_hits: int = 0
+    keyspace_misses: int = 0
+    used_memory: int = 0
+    maxmemory: int = 0
+
+
+def _int(info: Mapping[str, Any], key: str) -> int:
+    try:
+        return int(info.get(key, 0))
+    except (TypeError, ValueError):
+        return 0
 
 
 def sample_from_info(info: Mapping[str, Any], at_s: float, epoch_s: float) -> ServerSample:
-    """Turn a parsed ``INFO commandstats cpu`` answer into a sample."""
-    get = info.get("cmdstat_get") or {}
-    get_calls = int(get.get("calls", 0)) if isinstance(get, Mapping) else 0
-    get_usec = int(get.get("usec", 0)) if isinstance(get, Mapping) else 0
-    other = 0
+    """Turn a parsed ``INFO commandstats cpu stats memory`` answer into a sample."""
+    calls: dict[str, int] = {}
+    usec: dict[str, int] = {}
+    total_usec = other = 0
     for key, value in info.items():
-        if key.startswith("cmdstat_") and key not in ("cmdstat_get", "cmdstat_info") and isinstance(value, Mapping):
+        if not key.startswith("cmdstat_") or not isinstance(value, Mapping):
+            continue
+        name = key[len("cmdstat_"):]
+        total_usec += int(value.get("usec", 0))
+        if name in COMMANDS:
+            calls[name] = int(value.get("calls", 0))
+            usec[name] = int(value.get("usec", 0))
+        elif name != "info":
             other += int(value.get("calls", 0))
+    for name in COMMANDS:  # a command never sent has no cmdstat line
+        calls.setdefault(name, 0)
+        usec.setdefault(name, 0)
     if "used_cpu_user_main_thread" in info and "used_cpu_sys_main_thread" in info:
         cpu = float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
         source = "main_thread"
@@ -127,7 +166,21 @@ def sample_from_info(info: Mapping[str, Any], at_s: float, epoch_s: float) -> Se
         source = "process"
     else:
         raise OpsError("INFO cpu has neither used_cpu_*_main_thread nor used_cpu_user/sys")
-    return ServerSample(at_s, epoch_s, get_calls, get_usec, other, cpu, source)
+    return ServerSample(at_s, epoch_s, calls, usec, total_usec, other, cpu, source,
+                        evicted_keys=_int(info, "evicted_keys"), keyspace_hits=_int(info, "keyspace_hits"),
+                        keyspace_misses=_int(info, "keyspace_misses"), used_memory=_int(info, "used_memory"),
+                        maxmemory=_int(info, "maxmemory"))
+
+
+@dataclass(frozen=True)
+class CommandInterval:
+    calls: int = 0
+    calls_per_s: float = 0.0
+    usec_per_call: float | None = None
+    busy_pct: float = 0.0
+
+
+_IDLE = CommandInterval()
 
 
 @dataclass(frozen=True)
@@ -137,42 +190,77 @@ class IntervalStats:
     start_s: float
     end_s: float
     end_epoch_s: float
-    get_calls: int
-    get_calls_per_s: float
-    get_usec_per_call: float | None
-    get_busy_pct: float
-    main_cpu_pct: float
-    other_calls_per_s: float
-    cpu_source: str
+    commands: Mapping[str, CommandInterval] = field(default_factory=dict)
+    total_busy_pct: float = 0.0
+    main_cpu_pct: float = 0.0
+    other_calls_per_s: float = 0.0
+    cpu_source: str = ""
+    evicted_keys: int = 0
+    keyspace_hits: int = 0
+    keyspace_misses: int = 0
+    used_memory_bytes: int | None = None
+    maxmemory_bytes: int | None = None
     error: str = ""
 
     @property
     def interval_s(self) -> float:
         return self.end_s - self.start_s
 
+    def command(self, name: str) -> CommandInterval:
+        return self.commands.get(name, _IDLE)
+
+    # The GET figures under their old names (the write-up's metric; the CLI's line and summary).
+    @property
+    def get_calls(self) -> int:
+        return self.command("get").calls
+
+    @property
+    def get_calls_per_s(self) -> float:
+        return self.command("get").calls_per_s
+
+    @property
+    def get_usec_per_call(self) -> float | None:
+        return self.command("get").usec_per_call
+
+    @property
+    def get_busy_pct(self) -> float:
+        return self.command("get").busy_pct
+
+    def per_s(self, count: int) -> float:
+        return count / self.interval_s if self.interval_s > 0 else 0.0
+
 
 def interval_between(target: ShardTarget, before: ServerSample, after: ServerSample) -> IntervalStats:
     elapsed = after.at_s - before.at_s
-    calls = after.get_calls - before.get_calls
-    usec = after.get_usec - before.get_usec
+    deltas = {name: (after.calls[name] - before.calls[name], after.usec[name] - before.usec[name])
+              for name in COMMANDS}
+    total_usec = after.total_usec - before.total_usec
     cpu = after.cpu_s - before.cpu_s
     other = after.other_calls - before.other_calls
-    if calls < 0 or usec < 0 or other < 0 or cpu < 0 or elapsed <= 0:
-        return IntervalStats(target.rank, target.url, before.at_s, after.at_s, after.epoch_s, 0, 0.0, None, 0.0,
-                             0.0, 0.0, after.cpu_source, error="counters reset")
+    counters = {name: getattr(after, name) - getattr(before, name) for name in _COUNTERS}
+    if (elapsed <= 0 or cpu < 0 or other < 0 or total_usec < 0 or any(v < 0 for v in counters.values())
+            or any(c < 0 or u < 0 for c, u in deltas.values())):
+        return IntervalStats(target.rank, target.url, before.at_s, after.at_s, after.epoch_s,
+                             cpu_source=after.cpu_source, error="counters reset")
+    commands = {
+        name: CommandInterval(calls=c, calls_per_s=c / elapsed, usec_per_call=u / c if c else None,
+                              busy_pct=100.0 * u / 1e6 / elapsed)
+        for name, (c, u) in deltas.items()
+    }
     return IntervalStats(
         shard=target.rank,
         url=target.url,
         start_s=before.at_s,
         end_s=after.at_s,
         end_epoch_s=after.epoch_s,
-        get_calls=calls,
-        get_calls_per_s=calls / elapsed,
-        get_usec_per_call=usec / calls if calls else None,
-        get_busy_pct=100.0 * usec / 1e6 / elapsed,
+        commands=commands,
+        total_busy_pct=100.0 * total_usec / 1e6 / elapsed,
         main_cpu_pct=100.0 * cpu / elapsed,
         other_calls_per_s=other / elapsed,
         cpu_source=after.cpu_source,
+        used_memory_bytes=after.used_memory,
+        maxmemory_bytes=after.maxmemory,
+        **counters,
     )
 
 
@@ -189,7 +277,7 @@ class ShardClient:
         )
 
     def info(self) -> Mapping[str, Any]:
-        return self._client.info("commandstats", "cpu")
+        return self._client.info(*INFO_SECTIONS)
 
     def close(self) -> None:
         self._client.close()
@@ -238,8 +326,7 @@ class Sampler:
             if isinstance(result, str):
                 self.failed_samples += 1
                 start = previous.at_s if previous is not None else now
-                new.append(IntervalStats(target.rank, target.url, start, now, time.time(), 0, 0.0, None, 0.0, 0.0,
-                                         0.0, "", error=result))
+                new.append(IntervalStats(target.rank, target.url, start, now, time.time(), error=result))
                 self._previous[index] = None
                 continue
             if previous is not None:
@@ -279,18 +366,39 @@ class Sampler:
 
 
 @dataclass(frozen=True)
+class CommandSummary:
+    calls: int
+    mean_calls_per_s: float
+    usec_per_call: float | None
+    mean_busy_pct: float
+    max_busy_pct: float
+
+
+@dataclass(frozen=True)
 class ShardSummary:
     shard: int
     url: str
     intervals: int
-    get_calls: int
-    mean_get_calls_per_s: float
-    get_usec_per_call: float | None
-    mean_get_busy_pct: float
-    max_get_busy_pct: float
+    commands: dict[str, CommandSummary]
+    mean_total_busy_pct: float
+    max_total_busy_pct: float
     mean_main_cpu_pct: float
     max_main_cpu_pct: float
+    evicted_keys: int
+    keyspace_hits: int
+    keyspace_misses: int
+    last_used_memory_bytes: int | None
+    max_used_memory_bytes: int | None
+    maxmemory_bytes: int | None
     failed_intervals: int
+
+    @property
+    def get_calls(self) -> int:
+        return self.commands["get"].calls
+
+
+def _weighted(rows: list[IntervalStats], value: Callable[[IntervalStats], float], elapsed: float) -> float:
+    return sum(value(i) * i.interval_s for i in rows) / elapsed if elapsed else 0.0
 
 
 def summarize_shards(targets: list[ShardTarget], intervals: list[IntervalStats]) -> list[ShardSummary]:
@@ -299,19 +407,33 @@ def summarize_shards(targets: list[ShardTarget], intervals: list[IntervalStats])
         rows = [i for i in intervals if i.shard == target.rank]
         good = [i for i in rows if not i.error]
         elapsed = sum(i.interval_s for i in good)
-        calls = sum(i.get_calls for i in good)
-        usec = sum((i.get_usec_per_call or 0.0) * i.get_calls for i in good)
+        commands = {}
+        for name in COMMANDS:
+            calls = sum(i.command(name).calls for i in good)
+            usec = sum((i.command(name).usec_per_call or 0.0) * i.command(name).calls for i in good)
+            commands[name] = CommandSummary(
+                calls=calls,
+                mean_calls_per_s=calls / elapsed if elapsed else 0.0,
+                usec_per_call=usec / calls if calls else None,
+                mean_busy_pct=_weighted(good, lambda i, n=name: i.command(n).busy_pct, elapsed),
+                max_busy_pct=max((i.command(name).busy_pct for i in good), default=0.0),
+            )
+        memory = [i.used_memory_bytes for i in good if i.used_memory_bytes is not None]
         summaries.append(ShardSummary(
             shard=target.rank,
             url=target.url,
             intervals=len(good),
-            get_calls=calls,
-            mean_get_calls_per_s=calls / elapsed if elapsed else 0.0,
-            get_usec_per_call=usec / calls if calls else None,
-            mean_get_busy_pct=sum(i.get_busy_pct * i.interval_s for i in good) / elapsed if elapsed else 0.0,
-            max_get_busy_pct=max((i.get_busy_pct for i in good), default=0.0),
-            mean_main_cpu_pct=sum(i.main_cpu_pct * i.interval_s for i in good) / elapsed if elapsed else 0.0,
+            commands=commands,
+            mean_total_busy_pct=_weighted(good, lambda i: i.total_busy_pct, elapsed),
+            max_total_busy_pct=max((i.total_busy_pct for i in good), default=0.0),
+            mean_main_cpu_pct=_weighted(good, lambda i: i.main_cpu_pct, elapsed),
             max_main_cpu_pct=max((i.main_cpu_pct for i in good), default=0.0),
+            evicted_keys=sum(i.evicted_keys for i in good),
+            keyspace_hits=sum(i.keyspace_hits for i in good),
+            keyspace_misses=sum(i.keyspace_misses for i in good),
+            last_used_memory_bytes=memory[-1] if memory else None,
+            max_used_memory_bytes=max(memory) if memory else None,
+            maxmemory_bytes=next((i.maxmemory_bytes for i in reversed(good) if i.maxmemory_bytes is not None), None),
             failed_intervals=len(rows) - len(good),
         ))
     return summaries

@@ -36,7 +36,7 @@ def load_kvsizing():
     if str(SCRIPTS) not in sys.path:
         sys.path.insert(0, str(SCRIPTS))
     import kvsizing.cli
+    import kvsizing.geometry
     import kvsizing.model
-    import kvsizing.resp
 
     return kvsizing

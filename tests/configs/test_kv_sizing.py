@@ -1,4 +1,6 @@
-"""kv-sizing: the write-up's cost model reproduced from its inputs, bad input, and --measure on real Valkey."""
+"""kv-sizing: the chunk figure from GLM-5.3's geometry, the write-up's cost model reproduced from its own
+inputs, the model for a cell of P pods sharing the shards, bad input, and --measure through LMCache's
+native RESP client on real Valkey."""
 from __future__ import annotations
 
 import json
@@ -12,9 +14,12 @@ from tests.configs.support import SCRIPTS, load_kvsizing
 
 kvsizing = load_kvsizing()
 model = kvsizing.model
+geometry = kvsizing.geometry
+cli = kvsizing.cli
+from kvsizing import native  # noqa: E402  (on sys.path after load_kvsizing)
 GB = 1e9
 
-# The write-up's inputs: 12.4 MB per 256-token chunk; a 16k (16,384-token)
+# The write-up's inputs: 12.4 MB per 256-token chunk (its latent-only figure); a 16k (16,384-token)
 # prompt prefilled in 0.31 s; hit-heavy replay 450 requests in 374 s.
 S = 12.4e6 / 256
 R = 16384 / 0.31
@@ -23,15 +28,64 @@ LAMBDA = 450 / 374
 
 WRITEUP = ["--chunk-bytes", "12.4MB", "--chunk-tokens", "256", "--prefill-rate", "16Ki/0.31s",
            "--prompt-tokens", "16Ki", "--arrival-rate", "450/374s"]
+CELL = ["--prefill-rate", "16Ki/0.31s", "--prompt-tokens", "16Ki"]
 
 
-def run(*args, timeout=60):
+def run(*args, timeout=120):
     return subprocess.run([sys.executable, str(SCRIPTS / "kv-sizing"), *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_json(*args) -> dict:
+    done = run(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+# --- the chunk figure ------------------------------------------------------------------------
+
+
+def test_the_chunk_figure_comes_from_the_geometry():
+    # (576 + 132) x 78 x 256: the MLA latent row and the DSA indexer row of every layer.
+    assert (geometry.LATENT_ROW_BYTES, geometry.INDEXER_ROW_BYTES, geometry.FP8_DS_MLA_ROW_BYTES) == (576, 132, 656)
+    assert geometry.KV_BYTES_PER_TOKEN == 55_224
+    assert geometry.CHUNK_BYTES == 14_137_344
+    assert geometry.CHUNK_BYTES / 2**20 == pytest.approx(13.48, abs=0.005)
+    assert geometry.LATENT_CHUNK_BYTES == 11_501_568
+    assert geometry.FP8_DS_MLA_LATENT_CHUNK_BYTES == 13_099_008
+    # The write-up's 12.4 MB is neither: 621 B per token and layer, between the two latent-only figures.
+    assert geometry.LATENT_CHUNK_BYTES < geometry.WRITEUP_CHUNK_BYTES < geometry.FP8_DS_MLA_LATENT_CHUNK_BYTES
+
+
+def test_the_default_s_is_the_real_chunk():
+    out = run_json(*CELL, "--arrival-rate", "1.2", "--instance-gbps", "1.345")
+    assert out["inputs"]["kv_bytes_per_token"] == geometry.KV_BYTES_PER_TOKEN
+    assert out["inputs"]["kv_source"] == "78 layers x (576 + 132) B: GLM-5.3 FP8 with the presets"
+    r = out["results"]
+    assert r["prompt_bytes"] == 16384 * 55_224  # 0.905 GB for a 16k prompt
+    assert r["break_even_bandwidth"] / GB == pytest.approx(2.919, abs=0.001)
+    assert r["per_rank_bytes"] / 1e6 == pytest.approx(113.1, abs=0.05)
+    text = run(*CELL, "--arrival-rate", "1.2", "--instance-gbps", "1.345")
+    assert "14.14 MB = 13.48 MiB per 256-token chunk" in text.stdout
+
+
+@pytest.mark.parametrize("flags, per_token", [
+    (["--kv-row-bytes", "656,132"], (656 + 132) * 78),  # FLASHMLA_SPARSE's fp8_ds_mla rows + indexer
+    (["--kv-row-bytes", "576"], 576 * 78),  # the latent alone
+    (["--kv-row-bytes", "576,132", "--layers", "79"], 708 * 79),  # with an MTP layer
+    (["--chunk-bytes", "14137344"], 55_224),
+    (["--kv-bytes-per-token", "55.224KB"], 55_224),
+])
+def test_s_from_rows_chunk_or_per_token(flags, per_token):
+    out = run_json(*CELL, "--arrival-rate", "1.2", "--instance-gbps", "1.345", *flags)
+    assert out["inputs"]["kv_bytes_per_token"] == pytest.approx(per_token)
+
+
+# --- the write-up's figures from its own inputs (its 12.4 MB chunk) ------------------------------
+
+
 def test_writeup_break_even():
-    r = model.evaluate(model.Inputs(S, R, 0.9 * GB, N_TOKENS, LAMBDA))
+    r = model.evaluate(model.Inputs(S, R, 0.9 * GB, N_TOKENS, LAMBDA, shards=1))
     assert S == pytest.approx(48e3, rel=0.01)  # "about 48 KB per token"
     assert R == pytest.approx(53e3, rel=0.01)  # "R ~ 53k tokens/s"
     assert r.break_even_bandwidth / GB == pytest.approx(2.6, abs=0.05)  # "B* ~ 2.6 GB/s"
@@ -40,10 +94,11 @@ def test_writeup_break_even():
 
 
 def test_writeup_one_instance():
-    r = model.evaluate(model.Inputs(S, R, 0.9 * GB, N_TOKENS, LAMBDA, shards=1))
+    r = model.evaluate(model.Inputs(S, R, 0.9 * GB, N_TOKENS, LAMBDA, shards=1, loading="sync"))
     assert r.load_seconds == pytest.approx(0.9, abs=0.03)  # "about 0.9 s" (0.88 unrounded)
     # "rho ~ 1.07" comes from the rounded 0.8 GB / 0.9 GB/s x 1.20; unrounded 1.06.
     assert r.rho == pytest.approx(1.07, abs=0.015)
+    assert r.pod_rho_low == r.pod_rho_high == r.rho  # one pod: its loads never overlap another's
     assert not r.steady_state and not r.hit_pays_off
     assert r.aggregate_bandwidth / r.break_even_bandwidth == pytest.approx(1 / 3, abs=0.03)  # "a third of break-even"
 
@@ -53,20 +108,12 @@ def test_writeup_eight_instances():
     assert r.aggregate_bandwidth / GB == pytest.approx(10.76)
     assert r.load_seconds == pytest.approx(0.074, abs=0.001)  # "about 74 ms"
     assert r.rho == pytest.approx(0.09, abs=0.005)  # "rho ~ 0.09"
+    assert r.per_rank_bytes / 1e6 == pytest.approx(99, abs=0.5)  # issue 17: "the per-rank share (~99 MB)"
     assert r.steady_state and r.hit_pays_off
 
 
-def test_smallest_shard_count_keeps_the_target():
-    i = model.Inputs(S, R, 0.9 * GB, N_TOKENS, LAMBDA, target_rho=0.5)
-    n = model.evaluate(i).shards_for_target_rho
-    rho = lambda shards: model.evaluate(model.Inputs(S, R, 0.9 * GB, N_TOKENS, LAMBDA, shards=shards)).rho  # noqa: E731
-    assert rho(n) <= 0.5 < rho(n - 1)
-    b = model.evaluate(i).shards_for_break_even
-    assert b * 0.9 * GB > model.evaluate(i).break_even_bandwidth >= (b - 1) * 0.9 * GB
-
-
 def test_cli_text_reproduces_the_writeup():
-    one = run(*WRITEUP, "--instance-gbps", "0.9")
+    one = run(*WRITEUP, "--instance-gbps", "0.9", "--shards", "1", "--loading", "sync")
     assert one.returncode == 0, one.stderr
     assert "break-even bandwidth B* = s*R     2.560 GB/s" in one.stdout
     assert "prompt KV n*s                     0.794 GB  (64 chunks" in one.stdout
@@ -78,18 +125,78 @@ def test_cli_text_reproduces_the_writeup():
     assert "utilisation rho = lambda*T_load   0.089  (steady state)" in eight.stdout
 
 
+# --- a cell: P pods sharing the N = W shards -------------------------------------------------
+
+
+def test_four_pods_share_the_eight_shards():
+    # The deployed 4P cell at four times the write-up's rate: rank r of every pod reads shard r.
+    i = model.Inputs(geometry.KV_BYTES_PER_TOKEN, R, 1.345 * GB, N_TOKENS, 4 * LAMBDA, shards=8, prefill_pods=4)
+    r = model.evaluate(i)
+    assert r.per_rank_bytes == N_TOKENS * geometry.KV_BYTES_PER_TOKEN / 8
+    assert r.rho == pytest.approx(4 * LAMBDA * N_TOKENS * geometry.KV_BYTES_PER_TOKEN / (8 * 1.345 * GB))
+    # Every pod loading at once: 10.76 / 4 GB/s per prompt, below the real chunk's B*.
+    assert r.all_pods_bandwidth / GB == pytest.approx(2.69)
+    assert not r.all_pods_pays_off and r.hit_pays_off
+    # Async loads share each instance (processor sharing): T_load / (1 - rho) on average.
+    assert r.mean_load_seconds == pytest.approx(r.load_seconds / (1 - r.rho))
+    assert r.mean_prompt_bandwidth == pytest.approx(r.aggregate_bandwidth * (1 - r.rho))
+    assert r.load_within_timeout and r.pod_rho_low is None
+    # With the write-up's chunk, the contended bandwidth is "about the break-even 2.56 GB/s" (issue 17).
+    w = model.evaluate(model.Inputs(S, R, 1.345 * GB, N_TOKENS, 4 * LAMBDA, shards=8, prefill_pods=4))
+    assert w.all_pods_bandwidth / w.break_even_bandwidth == pytest.approx(1.05, abs=0.01)
+
+
+def test_sync_loading_bounds_the_pods_utilisation():
+    i = model.Inputs(geometry.KV_BYTES_PER_TOKEN, R, 1.345 * GB, N_TOKENS, 4.8, shards=8, prefill_pods=4,
+                     loading="sync")
+    r = model.evaluate(i)
+    assert r.pod_rho_low == pytest.approx(4.8 / 4 * r.load_seconds)
+    assert r.pod_rho_high == pytest.approx(r.rho)
+    assert r.mean_load_seconds is None and r.load_within_timeout is None
+    text = run(*CELL, "--arrival-rate", "4.8", "--instance-gbps", "1.345", "--prefill-pods", "4", "--loading", "sync")
+    assert text.returncode == 0, text.stderr
+    assert f"sync: pod utilisation rho_pod     {r.pod_rho_low:.3f} .. {r.pod_rho_high:.3f}" in text.stdout
+
+
+def test_async_without_steady_state_times_out():
+    r = model.evaluate(model.Inputs(geometry.KV_BYTES_PER_TOKEN, R, 0.9 * GB, N_TOKENS, 1.2, shards=1))
+    assert not r.steady_state and r.mean_load_seconds is None and r.load_within_timeout is False
+
+
+def test_sizing_for_the_target_rho():
+    i = model.Inputs(geometry.KV_BYTES_PER_TOKEN, R, 1.345 * GB, 200_000, 2.0, shards=8, prefill_pods=4)
+    r = model.evaluate(i)
+    at_b = model.evaluate(model.Inputs(i.kv_bytes_per_token, R, r.instance_bandwidth_for_target, 200_000, 2.0,
+                                       shards=8, prefill_pods=4))
+    assert at_b.rho == pytest.approx(0.5)
+    at_rate = model.evaluate(model.Inputs(i.kv_bytes_per_token, R, 1.345 * GB, 200_000,
+                                          r.max_arrival_rate_for_target, shards=8, prefill_pods=4))
+    assert at_rate.rho == pytest.approx(0.5)
+
+
+def test_shards_default_to_the_ranks_and_other_counts_warn():
+    same = run(*CELL, "--arrival-rate", "1.2", "--instance-gbps", "1.345", "--json")
+    assert same.returncode == 0 and same.stderr == ""
+    out = json.loads(same.stdout)
+    assert out["inputs"]["shards"] == out["inputs"]["ranks"] == 8 and out["warnings"] == []
+    other = run(*CELL, "--arrival-rate", "1.2", "--instance-gbps", "1.345", "--shards", "4")
+    assert other.returncode == 0
+    assert "kv-sizing: warning: 4 instance(s) for 8 ranks: the deployment has one instance per rank" in other.stderr
+    more = run_json(*CELL, "--arrival-rate", "1.2", "--instance-gbps", "1.345", "--shards", "16")
+    assert more["results"]["aggregate_bandwidth"] == pytest.approx(8 * 1.345 * GB)  # 8 of 16 idle
+    assert "8 instance(s) idle" in more["warnings"][0]
+
+
 def test_cli_json_and_inputs_file(tmp_path):
     inputs = tmp_path / "cell.yaml"
     inputs.write_text("chunk_bytes: 12.4MB\nprefill_rate: 16Ki/0.31s\ninstance_gbps: 1.345\n"
-                      "prompt_tokens: 16384\narrival_rate: 1.2\nshards: 8\n")
-    result = run("--inputs", str(inputs), "--json")
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
+                      "prompt_tokens: 16384\narrival_rate: 1.2\nshards: 8\nprefill_pods: 4\nloading: sync\n")
+    out = run_json("--inputs", str(inputs))
     assert out["inputs"]["kv_bytes_per_token"] == pytest.approx(48437.5)
+    assert out["inputs"]["prefill_pods"] == 4 and out["inputs"]["loading"] == "sync"
     assert out["results"]["load_seconds"] == pytest.approx(0.0738, abs=0.0005)
     # a flag overrides the file
-    result = run("--inputs", str(inputs), "--shards", "1", "--json")
-    assert json.loads(result.stdout)["inputs"]["shards"] == 1
+    assert run_json("--inputs", str(inputs), "--shards", "1")["inputs"]["shards"] == 1
 
 
 @pytest.mark.parametrize("args, message", [
@@ -101,15 +208,20 @@ def test_cli_json_and_inputs_file(tmp_path):
     (["--prompt-tokens", "-16Ki"], "prompt_tokens: must be > 0"),
     (["--shards", "0"], "shards: expected an integer >= 1"),
     (["--shards", "2.5"], "shards: expected a whole number"),
+    (["--prefill-pods", "0"], "prefill_pods: expected an integer >= 1"),
+    (["--ranks", "0"], "ranks: expected an integer >= 1"),
+    (["--lookup-timeout", "0"], "lookup_timeout_s: must be > 0"),
     (["--target-rho", "1.5"], "target_rho: must be between 0 and 1"),
     (["--prefill-rate", "fast"], "prefill_rate: 'fast' is not a number"),
     (["--arrival-rate", "450/0s"], "divides by 0 s"),
-    (["--kv-bytes-per-token", "48KB"], "either kv_bytes_per_token or chunk_bytes"),
+    (["--kv-bytes-per-token", "48KB"], "give one of kv_bytes_per_token, chunk_bytes, kv_row_bytes"),
+    (["--kv-row-bytes", "576,0"], "kv_row_bytes: expected positive byte counts"),
+    (["--layers", "78"], "layers: only with kv_row_bytes"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     base = {"--prefill-rate": "53k", "--arrival-rate": "1.2", "--instance-gbps": "0.9", "--prompt-tokens": "16Ki"}
     flags = dict(zip(args[::2], args[1::2], strict=True))
-    argv = ["--chunk-bytes", "12.4MB"]
+    argv = [] if "--kv-row-bytes" in flags else ["--chunk-bytes", "12.4MB"]
     for flag, value in {**base, **flags}.items():
         argv.append(f"{flag}={value}")  # '=' so argparse takes '-53k' as a value
     result = run(*argv)
@@ -137,43 +249,66 @@ def test_model_rejects_bad_inputs_directly():
         model.Inputs(S, 0, GB, N_TOKENS, LAMBDA)
     with pytest.raises(model.InputError, match="arrival_rate: expected a finite number"):
         model.Inputs(S, R, GB, N_TOKENS, float("nan"))
+    with pytest.raises(model.InputError, match="loading: expected sync or async"):
+        model.Inputs(S, R, GB, N_TOKENS, LAMBDA, loading="lazy")
 
 
-# --- --measure against a real Valkey -------------------------------------------------------
+# --- --measure: LMCache's native RESP client against a real Valkey --------------------------------
 
 
 def test_measure_against_real_valkey(valkey):
     started = time.monotonic()
-    result = run("--measure", valkey.url, "--measure-seconds", "0.5", "--measure-keys", "4", "--json")
+    m = run_json("--measure", valkey.url, "--measure-seconds", "0.5", "--measure-keys", "4")["measurement"]
     elapsed = time.monotonic() - started
-    assert result.returncode == 0, result.stderr
-    m = json.loads(result.stdout)["measurement"]
-    assert m["chunk_bytes"] == 12_400_000  # the real chunk size by default
-    assert m["gets"] >= 1 and m["bytes"] == m["gets"] * 12_400_000
-    assert m["bandwidth"] > 0 and m["server"].startswith("valkey 8.1")
-    assert elapsed < 30  # short and bounded
+    assert m["chunk_bytes"] == geometry.CHUNK_BYTES  # the real chunk by default
+    assert m["connections"] == 32  # resp_num_threads of the preset
+    assert m["client"] == "LMCache native RESP client (lmcache_redis), 32 workers"
+    assert m["gets"] >= 4 and m["gets"] % 4 == 0 and m["bytes"] == m["gets"] * geometry.CHUNK_BYTES
+    assert m["bandwidth"] == pytest.approx(m["bytes"] / m["seconds"])
+    # The client's CPU over the loads: it did work, at most every usable core.
+    assert 0 < m["client_cpu_seconds"] and 0 < m["client_cpu_cores"] <= m["usable_cores"] * 1.05
+    assert m["client_bound"] == (m["client_cpu_cores"] >= 0.8 * m["usable_cores"])
+    assert elapsed < 90  # short and bounded (most of it is importing torch and LMCache)
     assert valkey.client().dbsize() == 0  # its keys are deleted afterwards
 
 
+def test_measure_goes_through_lmcaches_native_client(valkey):
+    # One RESP client in the project: the GETs arrive from the native client's 32 worker connections.
+    client = valkey.client()
+    client.config_resetstat()
+    out = run_json("--measure", valkey.url, "--measure-seconds", "0.3", "--measure-keys", "2",
+                   "--measure-connections", "5")
+    stats = client.info("stats")
+    commands = client.info("commandstats")
+    assert out["measurement"]["connections"] == 5
+    assert stats["total_connections_received"] >= 1 + 5  # the probe, then the native client's 5 workers
+    assert commands["cmdstat_get"]["calls"] == out["measurement"]["gets"]
+    assert commands["cmdstat_set"]["calls"] == 2
+
+
 def test_measure_feeds_the_model(valkey):
-    result = run("--measure", valkey.url, "--measure-seconds", "0.3", "--measure-max-gets", "20",
-                 "--chunk-bytes", "12.4MB", "--prefill-rate", "53k", "--prompt-tokens", "16Ki",
-                 "--arrival-rate", "1.2", "--shards", "8", "--json")
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
-    assert out["measurement"]["gets"] <= 20
+    out = run_json("--measure", valkey.url, "--measure-seconds", "0.3", "--measure-max-gets", "8",
+                   "--measure-keys", "4", *CELL, "--arrival-rate", "1.2", "--prefill-pods", "4")
+    assert out["measurement"]["gets"] <= 8
     assert out["inputs"]["instance_bandwidth"] == pytest.approx(out["measurement"]["bandwidth"])
     assert out["results"]["aggregate_bandwidth"] == pytest.approx(8 * out["measurement"]["bandwidth"])
 
 
 def test_measure_uses_the_configured_chunk_size(valkey):
-    result = run("--measure", valkey.url, "--measure-seconds", "0.2", "--kv-bytes-per-token", "4KB",
-                 "--chunk-tokens", "16", "--json")
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["measurement"]["chunk_bytes"] == 64_000
+    out = run_json("--measure", valkey.url, "--measure-seconds", "0.2", "--measure-keys", "2",
+                   "--kv-bytes-per-token", "4KB", "--chunk-tokens", "16")
+    assert out["measurement"]["chunk_bytes"] == 64_000
 
 
-def test_measure_errors(tmp_path):
+def test_measure_text_names_a_client_bound_result():
+    m = native.Measurement(
+        url="resp://h:1", client="c", chunk_bytes=1, keys=1, connections=32, gets=1, bytes=1, seconds=1.0,
+        bandwidth=1e9, round_p50_ms=1.0, round_p99_ms=1.0, client_cpu_seconds=1.9, client_cpu_cores=1.9,
+        usable_cores=2, client_bound=True)
+    assert "CLIENT-BOUND: the client used 1.90 of 2 cores" in cli.measurement_text(m)
+
+
+def test_measure_errors():
     from tests.support.valkey import free_loopback_port
 
     port = free_loopback_port()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from opstools import valkey_cli
 from opstools.common import OpsError
 from opstools.valkey_sampler import (
+    COMMANDS,
     Sampler,
     ServerSample,
     expand_targets,
@@ -26,6 +28,8 @@ from tests.support.valkey import free_loopback_port, start_valkey
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MAXMEMORY = 4 * 2**20  # a few dozen values: evictions from the second batch of SETs on
+VALUE = b"c" * (64 * 1024)
 
 
 @pytest.fixture
@@ -35,6 +39,52 @@ def two_shards(valkey, tmp_path):
         yield [valkey, second]
     finally:
         second.stop()
+
+
+@pytest.fixture
+def small_valkey(tmp_path):
+    """A real Valkey with the deployment's eviction policy and a small maxmemory."""
+    server = start_valkey(tmp_path, ["--maxmemory", str(MAXMEMORY), "--maxmemory-policy", "allkeys-lru"])
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class MixedLoad:
+    """SET new chunk keys, GET / EXISTS / MGET random earlier ones, as LMCache's stores, loads and
+    lookups do; counts what Valkey must report: calls per command, keyspace hits and misses
+    (EXISTS and MGET count per key), and the keys written (evicted = written - DBSIZE)."""
+
+    def __init__(self, client, seed: int = 7) -> None:
+        self.client = client
+        self.rng = random.Random(seed)
+        self.written = 0
+        self.sent = dict.fromkeys(COMMANDS, 0)
+        self.hits = self.misses = 0
+
+    def _keys(self, n: int) -> list[str]:
+        return [f"chunk:{self.rng.randrange(max(1, self.written))}" for _ in range(n)]
+
+    def _found(self, found: int, of: int) -> None:
+        self.hits += found
+        self.misses += of - found
+
+    def send(self, sets: int, gets: int, exists: int, mgets: int) -> None:
+        for _ in range(sets):
+            self.client.set(f"chunk:{self.written}", VALUE)
+            self.written += 1
+        for (key,) in (self._keys(1) for _ in range(gets)):
+            self._found(self.client.get(key) is not None, 1)
+        for keys in (self._keys(2) for _ in range(exists)):
+            self._found(self.client.exists(*keys), 2)
+        for keys in (self._keys(3) for _ in range(mgets)):
+            self._found(sum(v is not None for v in self.client.mget(keys)), 3)
+        for name, n in zip(("set", "get", "exists", "mget"), (sets, gets, exists, mgets)):
+            self.sent[name] += n
+
+    def evicted(self) -> int:
+        return self.written - self.client.dbsize()  # no TTLs, no deletes: every missing key was evicted
 
 
 def loaded_clients(servers):
@@ -73,26 +123,116 @@ def test_template_list_and_url_forms():
 
 def test_cpu_comes_from_the_main_thread_when_reported():
     info = {"cmdstat_get": {"calls": 10, "usec": 50}, "cmdstat_set": {"calls": 3, "usec": 9},
+            "cmdstat_exists": {"calls": 7, "usec": 4}, "cmdstat_client|setinfo": {"calls": 2, "usec": 1},
             "cmdstat_info": {"calls": 99, "usec": 1}, "used_cpu_user": 9.0, "used_cpu_sys": 9.0,
-            "used_cpu_user_main_thread": 1.5, "used_cpu_sys_main_thread": 0.5}
+            "used_cpu_user_main_thread": 1.5, "used_cpu_sys_main_thread": 0.5,
+            "evicted_keys": 4, "keyspace_hits": 5, "keyspace_misses": 6, "used_memory": 1000, "maxmemory": 2000}
     sample = sample_from_info(info, 1.0, 0.0)
-    assert (sample.get_calls, sample.get_usec, sample.other_calls) == (10, 50, 3)
+    assert sample.calls == {"get": 10, "set": 3, "exists": 7, "mget": 0}  # MGET never sent: no cmdstat line
+    assert sample.usec == {"get": 50, "set": 9, "exists": 4, "mget": 0}
+    assert (sample.other_calls, sample.total_usec) == (2, 50 + 9 + 4 + 1 + 1)  # INFO is not "other", but busy
     assert (sample.cpu_s, sample.cpu_source) == (2.0, "main_thread")
+    assert (sample.evicted_keys, sample.keyspace_hits, sample.keyspace_misses) == (4, 5, 6)
+    assert (sample.used_memory, sample.maxmemory) == (1000, 2000)
     old_server = {k: v for k, v in info.items() if "main_thread" not in k}
     assert sample_from_info(old_server, 1.0, 0.0).cpu_source == "process"
 
 
+def _sample(at, get=(0, 0), set_=(0, 0), exists=(0, 0), mget=(0, 0), total_usec=0, other=0, cpu=0.0, **kw):
+    calls = {"get": get[0], "set": set_[0], "exists": exists[0], "mget": mget[0]}
+    usec = {"get": get[1], "set": set_[1], "exists": exists[1], "mget": mget[1]}
+    return ServerSample(at, at, calls, usec, total_usec, other, cpu, "main_thread", **kw)
+
+
 def test_interval_figures_and_counter_reset():
     target = parse_shard_url("resp://h:1", 0)
-    before = ServerSample(0.0, 0.0, get_calls=100, get_usec=1_000, other_calls=0, cpu_s=1.0, cpu_source="main_thread")
-    after = ServerSample(2.0, 2.0, get_calls=500, get_usec=801_000, other_calls=4, cpu_s=2.6, cpu_source="main_thread")
+    before = _sample(0.0, get=(100, 1_000), set_=(10, 500), total_usec=2_000, cpu=1.0,
+                     evicted_keys=3, keyspace_misses=1, used_memory=10)
+    after = _sample(2.0, get=(500, 801_000), set_=(30, 200_500), exists=(50, 1_000), total_usec=1_004_000,
+                    other=4, cpu=2.6, evicted_keys=13, keyspace_misses=8, used_memory=99, maxmemory=100)
     interval = interval_between(target, before, after)
     assert interval.get_calls == 400 and interval.get_calls_per_s == 200.0
     assert interval.get_usec_per_call == 2000.0
     assert interval.get_busy_pct == pytest.approx(40.0)  # 0.8 s of GETs in 2 s
+    assert interval.command("set").calls == 20 and interval.command("set").usec_per_call == 10_000.0
+    assert interval.command("set").busy_pct == pytest.approx(10.0)
+    assert interval.command("exists").calls_per_s == 25.0
+    assert interval.command("mget").calls == 0 and interval.command("mget").usec_per_call is None
+    assert interval.total_busy_pct == pytest.approx(50.1)  # 1.002 s of any command in 2 s
     assert interval.main_cpu_pct == pytest.approx(80.0)
     assert interval.other_calls_per_s == 2.0
+    assert (interval.evicted_keys, interval.keyspace_misses) == (10, 7)
+    assert (interval.used_memory_bytes, interval.maxmemory_bytes) == (99, 100)  # gauges: the later sample
     assert interval_between(target, after, before).error == "counters reset"
+    evictions_reset = _sample(4.0, get=(600, 900_000), set_=(30, 200_500), exists=(50, 1_000),
+                              total_usec=1_200_000, other=4, cpu=3.0, evicted_keys=0)
+    assert interval_between(target, after, evictions_reset).error == "counters reset"
+
+
+def test_mixed_load_with_evictions_per_command_and_interval(small_valkey):
+    client = small_valkey.client()
+    client.ping()  # connected before the baseline: the handshake is not part of the load
+    load = MixedLoad(client)
+    sampler = Sampler(expand_targets(None, None, [small_valkey.url]))
+    evicted = []
+    try:
+        sampler.check_all()
+        for sets, gets, exists, mgets in [(20, 20, 15, 5), (120, 60, 40, 10), (0, 25, 25, 8), (0, 0, 0, 0)]:
+            before = dict(load.sent), load.hits, load.misses
+            load.send(sets, gets, exists, mgets)
+            (interval,) = sampler.sample()
+            memory = client.info("memory")["used_memory"]
+            assert interval.error == ""
+            for name in COMMANDS:
+                sent = load.sent[name] - before[0][name]
+                stats = interval.command(name)
+                assert stats.calls == sent, name
+                assert (stats.usec_per_call is None) == (sent == 0), name
+                assert stats.busy_pct >= 0
+            assert interval.keyspace_hits == load.hits - before[1]
+            assert interval.keyspace_misses == load.misses - before[2]
+            assert interval.total_busy_pct >= sum(interval.command(n).busy_pct for n in COMMANDS)
+            assert interval.maxmemory_bytes == MAXMEMORY
+            assert interval.used_memory_bytes == pytest.approx(memory, rel=0.05)  # INFO memory right after
+            evicted.append(interval.evicted_keys)
+    finally:
+        sampler.close()
+    assert evicted[0] == 0 and evicted[1] > 0  # 20 values fit in maxmemory, the next 120 do not
+    assert sum(evicted) == load.evicted()
+    assert load.misses > 0 and load.hits > 0
+
+
+def test_cli_reports_the_mixed_load_per_command_in_csv_summary_and_png(small_valkey, tmp_path):
+    out = tmp_path / "out"
+    client = small_valkey.client()
+    client.ping()
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "valkey-stats"), "--url", small_valkey.url, "--interval", "0.4",
+         "--duration", "3", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert "sampling 1 shard(s)" in process.stderr.readline()  # printed after the baseline sample
+        load = MixedLoad(client, seed=3)
+        load.send(150, 80, 40, 10)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    (shard,) = json.loads((out / "summary.json").read_text())["shards"]
+    for name in COMMANDS:
+        assert shard["commands"][name]["calls"] == load.sent[name], name
+    assert shard["evicted_keys"] == load.evicted() > 0
+    assert (shard["keyspace_hits"], shard["keyspace_misses"]) == (load.hits, load.misses)
+    assert shard["maxmemory_bytes"] == MAXMEMORY and 0 < shard["max_used_memory_bytes"]
+    with (out / "intervals.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert sum(int(r["set_calls"]) for r in rows) == load.sent["set"]
+    assert sum(int(r["evicted_keys"]) for r in rows) == load.evicted()
+    assert all(float(r["total_busy_pct"]) >= float(r["get_busy_pct"]) for r in rows)
+    assert (out / "valkey_stats.png").read_bytes().startswith(PNG_MAGIC)
+    assert "EXISTS/s" in stdout and "evicted" in stdout
 
 
 def test_per_interval_get_counts_match_the_load_sent(two_shards):
