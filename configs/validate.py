@@ -56,7 +56,7 @@ DEFAULT_MODEL = "/models/GLM-5.3-FP8"
 # its loader cannot tell a typo from a new key. These are the keys the
 # distribution's configs may use, with their types and where they are read.
 EXTRA_CONFIG_KEYS: dict[str, tuple[type, str]] = {
-    "pcp_shard_store": (bool, "the distribution's sharded-store patch (LMCache#5545/#5553)"),
+    "pcp_shard_store": (bool, "the distribution's sharded-store patches 0009-0012"),
     "resp_num_threads": (int, "lmcache/v1/storage_backend/connector/redis_adapter.py"),
     "save_only_first_rank": (bool, "lmcache/v1/cache_engine.py, token_database.py"),
     "first_rank_max_local_cpu_size": (float, "lmcache/v1/storage_backend/local_cpu_backend.py"),

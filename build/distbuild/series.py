@@ -105,4 +105,8 @@ def check_headers(patch: Patch) -> list[str]:
         problems.append(f"{patch.path}: no Signed-off-by (the upstreams require DCO)")
     if "Forwarded" not in patch.fields:
         problems.append(f"{patch.path}: no DEP-3 Forwarded: field")
+    bug = patch.fields.get("Bug")
+    if bug is not None and not re.match(r"^https?://\S+$", bug):
+        problems.append(f"{patch.path}: DEP-3 Bug: must be the URL of an upstream report, not {bug[:60]!r} "
+                        "(say the rest in the description)")
     return problems

@@ -8,7 +8,7 @@ worker's ``register_kv_caches`` hands it the ``kv_caches`` dict, and a prompt
 is stored and loaded the way ``wait_for_save`` / ``start_load_kv`` call the
 engine (``kvcaches=list(kv_caches.values())``, the request's slot mapping).
 
-Without CUDA three things stand in, each only where LMCache asks for CUDA
+Without CUDA four things stand in, each only where LMCache asks for CUDA
 before it reaches its torch fallback copy ops (``device_ops`` resolves to
 ``CpuDeviceOps`` here, whose ``multi_layer_kv_transfer`` is LMCache's own
 vectorised torch implementation of the CUDA kernel):
@@ -23,6 +23,10 @@ vectorised torch implementation of the CUDA kernel):
 - The paged connectors' ``device.type == "cuda"`` assertions: compiled out of
   the connector methods that carry one (nothing else in them changes; see
   ``_without_cuda_asserts``).
+- The device V3 is built for: ``CreateGPUConnector`` names it
+  ``cuda:<local rank>``; a CPU tensor's device has no index ("cpu"), so V3
+  (which checks that the registered caches are on its device) is given
+  ``torch.device("cpu")``, the device vLLM's tensors are on.
 """
 
 from __future__ import annotations
@@ -93,10 +97,27 @@ def install_cpu_stand_ins() -> None:
     torch.cuda.Stream = _SyncStream  # type: ignore[misc, assignment]
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
     _without_cuda_asserts(gpu_connectors.VLLMPagedMemGPUConnectorV2, "_initialize_pointers")
+    v3 = gpu_connectors.VLLMPagedMemGPUConnectorV3
+    _without_cuda_asserts(v3, "__init__")
+    build_v3 = v3.from_metadata.__func__
+
+    def from_metadata(cls, metadata, use_gpu=False, device=None, layout_hints=None):
+        assert device is not None and device.type == "cpu", device
+        return build_v3(cls, metadata, use_gpu, torch.device("cpu"), layout_hints=layout_hints)
+
+    v3.from_metadata = classmethod(from_metadata)
 
 
-def start_worker(workdir: Path, variant: str, lmcache_env: dict[str, str] | None = None):
-    """vLLM's distributed state for one worker, the KV caches, and vLLM's
+def start_worker(
+    workdir: Path,
+    variant: str,
+    lmcache_env: dict[str, str] | None = None,
+    model_dir: Path | None = None,
+    num_layers: int = 2,
+    device: str = "cpu",
+):
+    """vLLM's distributed state for one worker, the KV caches (on ``device``:
+    on "cuda" nothing stands in, LMCache's CUDA kernels copy), and vLLM's
     LMCacheConnectorV1 (worker role) with LMCache's adapter inside."""
     env = {
         "LMCACHE_CHUNK_SIZE": str(CHUNK_SIZE),
@@ -117,8 +138,11 @@ def start_worker(workdir: Path, variant: str, lmcache_env: dict[str, str] | None
 
     from tests.lmcache.glm5_vllm_kv import build_glm5_kv_caches
 
-    install_cpu_stand_ins()
-    kv = build_glm5_kv_caches(workdir / "model", variant)
+    if device == "cpu":
+        install_cpu_stand_ins()
+    kv = build_glm5_kv_caches(
+        model_dir or workdir / "model", variant, num_hidden_layers=num_layers, device=device
+    )
     kv.vllm_config.kv_transfer_config = KVTransferConfig(
         kv_connector="LMCacheConnectorV1", kv_role="kv_both"
     )
@@ -127,7 +151,7 @@ def start_worker(workdir: Path, variant: str, lmcache_env: dict[str, str] | None
         rank=0,
         distributed_init_method=f"file://{workdir}/vllm-rendezvous",
         local_rank=0,
-        backend="gloo",
+        backend="gloo" if device == "cpu" else "nccl",
     )
     with set_current_vllm_config(kv.vllm_config):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
@@ -202,3 +226,340 @@ def register_store_load(
         for name, t in kv.kv_caches.items()
     }
     return result
+
+
+# --- The round trip of issue 15: every byte of both kinds of layer. ---------
+
+INDEXER_VALUES = 128  # fp8 e4m3 values per token; then one fp32 scale
+
+
+def token_bytes(tensor: Any, role: str, slots: Any) -> Any:
+    """All bytes vLLM keeps for each token of ``slots`` in one layer, one row
+    per token: a latent layer's row, or an indexer token's 128 fp8 values
+    followed by its 4-byte scale, read through the blocked page layout (per
+    block all tokens' values, then all their scales)."""
+    import torch
+
+    if role != "indexer":
+        return tensor.reshape(-1, tensor.shape[-1])[slots]
+    block_size = tensor.shape[-2]
+    pages = tensor.reshape(tensor.shape[0], -1)
+    values = pages[:, : block_size * INDEXER_VALUES].reshape(-1, block_size, INDEXER_VALUES)
+    scales = pages[:, block_size * INDEXER_VALUES :].reshape(-1, block_size, 4)
+    blocks, offsets = slots // block_size, slots % block_size
+    return torch.cat([values[blocks, offsets], scales[blocks, offsets]], dim=1)
+
+
+def fill_kv(kv: Any, seed: int) -> None:
+    """Random bytes in every latent page; in every indexer page, each slot's
+    128 fp8 values of a random key and a positive fp32 scale, written through
+    the blocked layout (as vLLM's ``indexer_k_quant_and_cache`` does), so the
+    indexer's scores on them are finite."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in kv.kv_caches.items():
+        tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8, generator=generator))
+        if kv.role(name) != "indexer":
+            continue
+        num_blocks, _, block_size, _ = tensor.shape
+        keys = torch.randn(num_blocks, block_size, INDEXER_VALUES, generator=generator)
+        scale = keys.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / 448.0
+        fp8 = (keys / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+        pages = tensor.view(num_blocks, -1)
+        pages[:, : block_size * INDEXER_VALUES] = fp8.reshape(num_blocks, -1)
+        pages[:, block_size * INDEXER_VALUES :] = scale.to(torch.float32).view(torch.uint8).reshape(num_blocks, -1)
+
+
+def indexer_topk(rows: Any, query: Any, weights: Any, k: int) -> list[int]:
+    """The DSA indexer's selection on cache bytes: each token's key is its
+    fp8 e4m3 values times its fp32 scale; its score is sum_h w_h *
+    relu(q_h . key); the top ``k`` token positions, best first."""
+    import torch
+
+    rows = rows.cpu()
+    values = rows[:, :INDEXER_VALUES].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    scale = rows[:, INDEXER_VALUES:].contiguous().view(torch.float32)
+    keys = values * scale
+    scores = (torch.relu(query @ keys.T) * weights[:, None]).sum(dim=0)
+    return torch.topk(scores, min(k, scores.numel())).indices.tolist()
+
+
+def slots_of(block_ids: list[int], num_tokens: int, block_size: int = 64) -> Any:
+    import torch
+
+    return torch.cat([b * block_size + torch.arange(block_size) for b in block_ids])[:num_tokens]
+
+
+def round_trip(
+    rank: int,
+    world_size: int,
+    workdir: str,
+    variant: str,
+    cases: list[dict[str, int]],
+    store_blocks: list[int],
+    load_blocks: list[int],
+    phase: str = "both",
+    lmcache_env: dict[str, str] | None = None,
+    model_dir: str | None = None,
+    num_layers: int = 2,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Register vLLM's dict through the adapter; then, for each case (a
+    prompt of ``num_tokens`` tokens, the first ``vllm_cached_tokens`` of which
+    vLLM already holds at the load), store it at ``store_blocks`` (``phase``
+    "store" or "both") and (``phase`` "load", in a fresh process, or "both",
+    after clearing the cache) load it into ``load_blocks``, as
+    ``wait_for_save`` and ``start_load_kv`` call the engine. Reports, per
+    case and layer, whether every byte of every loaded token equals the
+    stored one, whether vLLM's cached tokens were left alone, and the DSA
+    indexer's top-k on both caches."""
+    env = {"LMCACHE_USE_GPU_CONNECTOR_V3": "True", **(lmcache_env or {})}
+    kv, connector = start_worker(
+        Path(workdir), variant, env, Path(model_dir) if model_dir else None, num_layers, device
+    )
+    adapter = connector._lmcache_engine
+    engine = adapter.lmcache_engine
+    result: dict[str, Any] = {"gpu_connector": type(engine.gpu_connector).__name__}
+    try:
+        connector.register_kv_caches(kv.kv_caches)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result["register_error"] = _error(exc)
+        return result
+    manager = engine.metadata.kv_layer_groups_manager
+    result["groups"] = (
+        [[str(g.engine_kv_format).split(".")[-1], g.num_layers, g.shape_desc.hs] for g in manager.kernel_groups]
+        if manager is not None else None
+    )
+    result["cases"] = [
+        _one_case(kv, adapter, engine, index, case, store_blocks, load_blocks, phase)
+        for index, case in enumerate(cases)
+    ]
+    result["backends"] = list(engine.storage_manager.storage_backends)
+    if phase == "store":
+        result["remote_holds_all"] = _wait_for_remote_puts(engine, cases)
+    return result
+
+
+def _one_case(kv, adapter, engine, index, case, store_blocks, load_blocks, phase) -> dict[str, Any]:
+    import torch
+
+    num_tokens, vllm_cached_tokens = case["num_tokens"], case.get("vllm_cached_tokens", 0)
+    result: dict[str, Any] = dict(case)
+    tokens = torch.arange(num_tokens) + 1000 * (index + 1)  # no case hits another's chunks
+    store_slots = slots_of(store_blocks, num_tokens)
+    load_slots = slots_of(load_blocks, num_tokens)
+    kvcaches = list(adapter.kv_caches.values())  # as wait_for_save passes them
+    device = kvcaches[0].device  # the adapter hands the engine device slot mappings
+    fill_kv(kv, seed=7 + index)
+    original = {name: t.clone() for name, t in kv.kv_caches.items()}
+    if phase in ("store", "both"):
+        try:
+            engine.store(tokens, kvcaches=kvcaches, slot_mapping=store_slots.to(device))
+        except Exception as exc:  # noqa: BLE001
+            result["store_error"] = _error(exc)
+            return result
+        result["stored_chunk_bytes"] = _stored_chunk_bytes(engine, tokens)
+        if phase == "store":
+            return result
+    # What vLLM's pages hold before the load, its cached prefix included.
+    before = {name: torch.full_like(t, 0xA5) for name, t in kv.kv_caches.items()}
+    for name, tensor in kv.kv_caches.items():
+        tensor.copy_(before[name])
+    mask = torch.ones(num_tokens, dtype=torch.bool)
+    mask[: vllm_cached_tokens // CHUNK_SIZE * CHUNK_SIZE] = False
+    try:
+        ret = engine.retrieve(
+            tokens, mask, kvcaches=kvcaches, slot_mapping=load_slots.to(device),
+            vllm_cached_tokens=vllm_cached_tokens,
+        )
+    except Exception as exc:  # noqa: BLE001
+        result["load_error"] = _error(exc)
+        return result
+    # The retrieved tokens are a prefix of the unmasked ones.
+    end = int(ret.nonzero().max()) + 1 if int(ret.sum()) else 0
+    result["loaded_end"] = end
+    moved = torch.arange(vllm_cached_tokens, max(end, vllm_cached_tokens))
+    kept = torch.arange(0, min(vllm_cached_tokens, num_tokens))
+    result["equal"], result["mismatched_tokens"], result["cached_prefix_untouched"] = {}, {}, {}
+    for name, tensor in kv.kv_caches.items():
+        role = kv.role(name)
+        got = token_bytes(tensor, role, load_slots[moved])
+        want = token_bytes(original[name], role, store_slots[moved])
+        result["equal"][name] = bool(torch.equal(got, want))
+        result["mismatched_tokens"][name] = int((got != want).any(dim=1).sum())
+        result["cached_prefix_untouched"][name] = bool(
+            torch.equal(token_bytes(tensor, role, load_slots[kept]), token_bytes(before[name], role, load_slots[kept]))
+        )
+    result["topk"] = _topk_both(kv, original, store_slots, load_slots, moved)
+    return result
+
+
+def _topk_both(kv: Any, original: dict, store_slots: Any, load_slots: Any, moved: Any) -> dict[str, Any]:
+    """Per indexer layer, the top-k over the loaded tokens on the original
+    cache and on the restored one, and on a cache whose loaded tokens' indexer
+    keys were left unset (zero: what a latent-only chunk leaves behind)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(11)
+    query = torch.randn(4, INDEXER_VALUES, generator=generator)
+    weights = torch.rand(4, generator=generator)
+    out: dict[str, Any] = {}
+    for name, tensor in kv.kv_caches.items():
+        if kv.role(name) != "indexer" or moved.numel() == 0:
+            continue
+        want = indexer_topk(token_bytes(original[name], "indexer", store_slots[moved]), query, weights, 64)
+        got = indexer_topk(token_bytes(tensor, "indexer", load_slots[moved]), query, weights, 64)
+        unset = torch.zeros(moved.numel(), INDEXER_VALUES + 4, dtype=torch.uint8)
+        out[name] = {"original": want, "restored": got, "unset": indexer_topk(unset, query, weights, 64)}
+    return out
+
+
+def _stored_chunk_bytes(engine: Any, tokens: Any) -> list[int]:
+    """The size of each chunk's memory object in the local CPU backend."""
+    sizes = []
+    backend = engine.storage_manager.local_cpu_backend
+    for _, _, key in engine.token_database.process_tokens(tokens):
+        obj = backend.hot_cache.get(key) if hasattr(backend, "hot_cache") else None
+        if obj is not None:
+            sizes.append(int(obj.get_size()))
+    return sizes
+
+
+def _wait_for_remote_puts(engine: Any, cases: list[dict[str, int]], timeout_s: float = 30.0) -> bool:
+    """Wait until the remote backend holds every full chunk of the cases'
+    prompts (its puts are asynchronous); whether it does."""
+    import time
+
+    import torch
+
+    remote = engine.storage_manager.storage_backends.get("RemoteBackend")
+    if remote is None:
+        return False
+    keys = [
+        key
+        for index, case in enumerate(cases)
+        for start, end, key in engine.token_database.process_tokens(torch.arange(case["num_tokens"]) + 1000 * (index + 1))
+        if end - start == CHUNK_SIZE
+    ]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(remote.contains(key) for key in keys):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def sharded_round_trip(
+    rank: int,
+    world_size: int,
+    workdir: str,
+    variant: str,
+    num_tokens: int,
+    store_blocks: list[int],
+    load_blocks: list[int],
+    num_blocks: int,
+) -> dict[str, Any]:
+    """One rank of a PCP group of ``world_size`` over gloo with the sharded
+    store (``pcp_shard_store``): vLLM's GLM-5 dict on every rank (the whole
+    prompt's KV, as after PCP's all-gather), registered with LMCache's V3
+    connector and the roles LMCache's adapter reads from vLLM's specs; every
+    rank stores (each keeps the chunks it owns), the cache is cleared, and
+    every rank loads through the sharded load (owners broadcast their chunks,
+    rebuilt from raw bytes and metadata) into other blocks."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from lmcache.integration.vllm.kv_cache_guard import kv_cache_roles
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.gpu_connector.gpu_connectors import VLLMPagedMemGPUConnectorV3
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.pcp_collectives import PCPCollectives
+
+    from tests.lmcache.glm5_vllm_kv import LATENT_HEAD_SIZE, build_glm5_kv_caches
+    from tests.support.pcp_ranks import ResponseRecorder
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )
+    ranks = list(range(world_size))
+    collectives = PCPCollectives.from_process_groups(
+        ranks, dist.new_group(ranks, backend="gloo"), dist.new_group(ranks, backend="gloo"), torch.device("cpu")
+    )
+    install_cpu_stand_ins()
+    kv = build_glm5_kv_caches(Path(workdir) / f"model-{rank}", variant, num_blocks=num_blocks)
+    num_layers = len(kv.kv_caches) // 2
+    metadata = LMCacheMetadata(
+        model_name="glm5-pcp", world_size=world_size, local_world_size=world_size, worker_id=rank,
+        local_worker_id=rank, kv_dtype=torch.uint8, kv_shape=(num_layers, 1, CHUNK_SIZE, 1, LATENT_HEAD_SIZE),
+        use_mla=True, role="worker", chunk_size=CHUNK_SIZE, pcp_world_size=world_size, pcp_rank=rank,
+    )
+    roles = kv_cache_roles(kv.kv_caches, metadata, kv.kv_cache_config)
+    connector = VLLMPagedMemGPUConnectorV3.from_metadata(
+        metadata, False, torch.device("cpu"), layout_hints={"kv_cache_roles": roles}
+    )
+    kvcaches = list(kv.kv_caches.values())
+    # As LMCache's adapter does at register_kv_caches (a tree without
+    # 0015 has no eager registration: V3 then builds its groups at the
+    # first transfer).
+    register = getattr(connector, "register_kv_caches", None)
+    if register is not None:
+        register(kvcaches)
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK_SIZE, local_cpu=True, max_local_cpu_size=0.2, save_unfull_chunk=False,
+        blocking_timeout_secs=5, extra_config={"pcp_shard_store": True, "save_chunk_meta": False},
+    )
+    engine = LMCacheEngineBuilder.get_or_create(
+        f"glm5-pcp-{rank}", config, metadata, connector, collectives.broadcast, collectives.broadcast_object,
+        pcp_collectives=collectives,
+    )
+    engine.post_init(async_lookup_server=ResponseRecorder())
+    tokens = torch.arange(num_tokens) + 5000
+    store_slots, load_slots = slots_of(store_blocks, num_tokens), slots_of(load_blocks, num_tokens)
+    fill_kv(kv, seed=23)
+    original = {name: t.clone() for name, t in kv.kv_caches.items()}
+    engine.store(tokens, kvcaches=kvcaches, slot_mapping=store_slots)
+    result: dict[str, Any] = {"owned_chunks": len(engine.storage_manager.local_cpu_backend.hot_cache)}
+    result["owned_chunk_bytes"] = sorted({int(o.get_size()) for o in engine.storage_manager.local_cpu_backend.hot_cache.values()})
+    dist.barrier()
+    for tensor in kv.kv_caches.values():
+        tensor.fill_(0xA5)
+    ret = engine.retrieve(tokens, kvcaches=kvcaches, slot_mapping=load_slots)
+    end = int(ret.nonzero().max()) + 1 if int(ret.sum()) else 0
+    result["loaded_end"] = end
+    moved = torch.arange(end)
+    result["mismatched_tokens"] = {
+        name: int((token_bytes(t, kv.role(name), load_slots[moved])
+                   != token_bytes(original[name], kv.role(name), store_slots[moved])).any(dim=1).sum())
+        for name, t in kv.kv_caches.items()
+    }
+    result["topk"] = _topk_both(kv, original, store_slots, load_slots, moved)
+    dist.barrier()
+    return result
+
+
+def detected_formats(rank: int, world_size: int, workdir: str, variant: str) -> dict[str, str]:
+    """The format LMCache's detection gives each layer of vLLM's dict, with
+    the layout hints of vLLM's layout plus each layer's role from its spec
+    (MLA latent or DSA indexer)."""
+    from lmcache.integration.vllm.utils import vllm_layout_hints
+    from lmcache.utils import EngineType
+    from lmcache.v1.gpu_connector.utils import normalize_and_discover_per_layer_formats
+
+    from tests.lmcache.glm5_vllm_kv import build_glm5_kv_caches
+
+    kv = build_glm5_kv_caches(Path(workdir) / "model", variant)
+    hints = dict(vllm_layout_hints(kv.vllm_config) or {})
+    hints["kv_cache_roles"] = ["indexer" if kv.role(name) == "indexer" else "mla" for name in kv.kv_caches]
+    normalized, formats = normalize_and_discover_per_layer_formats(
+        list(kv.kv_caches.values()), [], EngineType.VLLM, hints
+    )
+    return {
+        name: f"{str(fmt).split('.')[-1]} {list(t.shape)}"
+        for name, fmt, t in zip(kv.kv_caches, formats, normalized, strict=True)
+    }

@@ -150,10 +150,11 @@ def build_glm5_kv_caches(
     num_hidden_layers: int = 2,
     num_blocks: int = 24,
     sm100: bool = True,
+    device: str = "cpu",
 ) -> Glm5KV:
     """The ``kv_caches`` dict vLLM registers for ``num_hidden_layers`` decoder
     layers (no MTP layer: the presets configure no speculative decoding),
-    with about ``num_blocks`` blocks of 64 tokens."""
+    with about ``num_blocks`` blocks of 64 tokens, on ``device``."""
     import importlib
 
     import torch
@@ -178,5 +179,5 @@ def build_glm5_kv_caches(
         select_common_block_size(group.kv_cache_spec.block_size, backends)
         for group in kv_cache_config.kv_cache_groups
     ]
-    kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, kernel_block_sizes)
+    kv_caches = allocate_kv_cache(kv_cache_config, torch.device(device), layout, kernel_block_sizes)
     return Glm5KV(vllm_config, specs, kv_cache_config, layout, kv_caches)

@@ -7,7 +7,7 @@ that receives the result afterwards, so a completion the loop drains in
 between is dropped and the caller waits forever. The patch holds one lock
 across submit+register and across drain+pop (and in the close path).
 
-Two kinds of test:
+Three kinds of test:
 
 * A fake native client forces the bad interleaving on demand, for each sync
   operation, next to controls with the normal interleaving. 10 cases: on the
@@ -18,6 +18,10 @@ Two kinds of test:
   own: the pristine client loses completions within a few hundred to about a
   thousand calls, and the test reports the blocked threads after 30 s
   without progress.
+* close() while a sync GET is inside its C++ worker (the real native client,
+  a real Valkey held by CLIENT PAUSE): the pristine client fails the GET's
+  future, so its caller may free the buffer, before the native close() has
+  joined the worker that receives into it; the patch joins first.
 
 Every call under test runs in a daemon thread that is joined with a bounded
 wait, so a lost completion fails the test instead of hanging pytest.
@@ -392,3 +396,104 @@ def test_real_resp_client_sync_calls_do_not_lose_completions(valkey, loop):
     )
     assert not errors, errors
     assert total == STRESS_THREADS * STRESS_CALLS_PER_THREAD
+
+
+# --------------------------------------------------------------------------
+# (c) close() with a GET in flight: real native RESP client, real Valkey
+
+# CLIENT PAUSE holds every command of the other clients this long: the GET
+# below stays inside its C++ worker (blocked in recv) until close() stops it.
+PAUSE_MS = 5_000
+GET_BYTES = 64 * 1024
+
+
+class JoinRecordingNative:
+    """The real ``LMCacheRedisClient``, every call passed through unchanged,
+    plus a record of what the Python client still held when the native
+    ``close()`` (which stops and joins the C++ workers) ran and when it
+    returned. It observes the order only; it forces nothing."""
+
+    def __init__(self, native):
+        self._native = native
+        self.client: ConnectorClientBase | None = None
+        self.pending_when_close_started: int | None = None
+        self.workers_joined = threading.Event()
+
+    def event_fd(self) -> int:
+        return self._native.event_fd()
+
+    def submit_batch_get(self, keys, bufs) -> int:
+        return self._native.submit_batch_get(keys, bufs)
+
+    def submit_batch_set(self, keys, bufs) -> int:
+        return self._native.submit_batch_set(keys, bufs)
+
+    def submit_batch_exists(self, keys) -> int:
+        return self._native.submit_batch_exists(keys)
+
+    def drain_completions(self):
+        return self._native.drain_completions()
+
+    def close(self) -> None:
+        assert self.client is not None
+        self.pending_when_close_started = len(self.client._pending)
+        self._native.close()
+        self.workers_joined.set()
+
+
+@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: the in-flight GET's future was failed before the native workers were joined")
+def test_real_close_joins_workers_before_failing_in_flight_get(valkey, loop):
+    """close() while a sync GET is inside its C++ worker (the server is
+    paused): the GET's future may fail, and its caller free the buffer, only
+    after the native close() has joined the worker; until then the pending
+    entry keeps the buffer referenced."""
+    from lmcache.lmcache_redis import LMCacheRedisClient
+
+    valkey.client().set("in-flight", b"\x5a" * GET_BYTES)
+    native = JoinRecordingNative(LMCacheRedisClient(valkey.host, valkey.port, 1, "", ""))
+    client = on_loop(loop, lambda: ConnectorClientBase(native, loop))
+    native.client = client
+    admin = valkey.client()
+    assert admin.execute_command("CLIENT", "PAUSE", PAUSE_MS, "ALL") in (True, b"OK")
+    order: list[tuple[str, bool]] = []
+    box: dict = {}
+    buf = bytearray(GET_BYTES)
+
+    def call() -> None:
+        try:
+            box["result"] = client.batch_get_sync(["in-flight"], [memoryview(buf)])
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            box["error"] = exc
+
+    caller = threading.Thread(target=call, name="sync-get", daemon=True)
+    try:
+        caller.start()
+        deadline = time.monotonic() + CALL_WAIT_S
+        while not client._pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert client._pending, "the sync GET never registered its future"
+        fut = next(iter(client._pending.values()))[0]
+        # concurrent.futures runs done callbacks inside set_exception(), i.e.
+        # at the moment close() fails the future
+        fut.add_done_callback(lambda _: order.append(("future failed", native.workers_joined.is_set())))
+        time.sleep(0.3)  # the worker has sent its GET and waits in recv
+        assert not fut.done(), "the GET finished although the server is paused"
+        started = time.monotonic()
+        on_loop(loop, client.close)
+        close_s = time.monotonic() - started
+        caller.join(CALL_WAIT_S)
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+
+    assert not caller.is_alive(), "close() left the sync GET blocked"
+    assert native.workers_joined.is_set(), "close() never closed the native client"
+    assert close_s < PAUSE_MS / 1000 / 2, f"close() took {close_s:.1f} s: it waited for the paused server"
+    assert order == [("future failed", True)], (
+        f"the in-flight GET's future was failed before the native workers were joined ({order}): "
+        "its caller could free the buffer a C++ worker was still receiving into"
+    )
+    assert native.pending_when_close_started == 1, (
+        f"{native.pending_when_close_started} pending entries when the native close started: "
+        "the in-flight GET's buffer was no longer referenced while its worker ran"
+    )
+    assert isinstance(box.get("error"), RuntimeError) and "Client closed" in str(box["error"]), box

@@ -11,7 +11,9 @@ Both tests use a rank-2 ``RemoteBackend`` (MLA, world size 4):
 
 * with a recording connector: the keys the connector receives are worker 0's,
   and the objects come back in the caller's key order (the storage manager
-  pairs them with the rank's own keys by position);
+  pairs them with the rank's own keys by position); a layerwise key keeps its
+  layer id through the rename (as upstream PR #5225 does it,
+  https://github.com/LMCache/LMCache/pull/5225);
 * with a real Valkey server holding only worker 0's chunks, through the real
   native RESP client: the async GET loads them, byte for byte.
 """
@@ -25,7 +27,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from lmcache.utils import CacheEngineKey
+from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
 
 from tests.support.background_loop import loop  # noqa: F401 - pytest fixture
 from lmcache.v1.config import LMCacheEngineConfig
@@ -169,6 +171,33 @@ def test_rank2_async_get_sends_worker0_keys(loop):
         f"async GET asked the remote for worker {', '.join(map(str, asked))}'s keys, not worker 0's")
     # One object per requested key, in the caller's key order.
     assert [id(o) for o in objs] == [id(tagged[h]) for h in HASHES]
+
+
+@pytest.mark.fixes(PATCH, fails_with=r"async GET asked the remote for worker 2's keys")
+def test_rank2_async_get_keeps_layer_ids_of_layerwise_keys(loop):
+    backend, local_cpu = make_backend(loop, "blackhole://")
+    layer_keys = [
+        LayerCacheEngineKey(MODEL, WORLD_SIZE, worker, h, KV_DTYPE, layer_id=layer)
+        for worker in (0, RANK)
+        for h in HASHES
+        for layer in (0, 3)
+    ]
+    stored = {key: object() for key in layer_keys if key.worker_id == 0}
+    connector = RecordingConnector(stored)
+    backend.connection = connector
+    keys = [key for key in layer_keys if key.worker_id == RANK]
+    try:
+        objs = run(loop, backend.batched_get_non_blocking("req-3", keys))
+    finally:
+        bounded(local_cpu.close)
+
+    (asked,) = connector.get_keys
+    workers = sorted({key.worker_id for key in asked})
+    assert workers == [0], f"async GET asked the remote for worker {', '.join(map(str, workers))}'s keys"
+    lost = [key for key in asked if not isinstance(key, LayerCacheEngineKey)]
+    assert not lost, f"the worker-0 rename dropped the layer id of {len(lost)} of {len(asked)} keys"
+    assert [(k.chunk_hash, k.layer_id) for k in asked] == [(k.chunk_hash, k.layer_id) for k in keys]
+    assert len(objs) == len(keys)
 
 
 def _payload(chunk_hash: int, size: int) -> bytes:

@@ -11,7 +11,9 @@ cache (132-byte rows).
 
 Pristine LMCache 0.5.5 (and the series up to 0011) accepts the dict and
 crashes on the first store: the default connector (V2) has one pointer slot
-per model layer (kv_shape[0]) and is handed twice as many tensors.
+per model layer (kv_shape[0]) and is handed twice as many tensors. With the
+series, V2 refuses it at registration and names ``use_gpu_connector_v3``,
+which moves both kinds of layer (tests/lmcache/test_glm5_kv_roundtrip.py).
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ def test_lmcache_refuses_layers_it_cannot_move_at_registration(tmp_path, variant
     error = result["register_error"]
     assert error["type"] == "UnsupportedKVCacheLayerError", error
     message = error["message"]
+    # V2 cannot move two kinds of layer; the message names the connector that can.
+    assert "set use_gpu_connector_v3: true" in message
     for name, role in result["layers"].items():
         if role == "indexer":
             assert f"{name}: a DSA indexer cache" in message

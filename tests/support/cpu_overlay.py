@@ -108,8 +108,10 @@ VLLM_RULES: dict[str, Callable[[Any], Any] | None] = {
 # (torch.compile of every start would dominate the engine phase on 2 cores).
 TEST_ADDITIONS = {"dtype": "float32", "max-model-len": 2048, "enforce-eager": True}
 
+# use_gpu_connector_v3 is kept though the CPU connector (tests/support/cpu_connector)
+# stands in for every GPU connector: LMCache still parses and reports it.
 LMCACHE_KEPT = {"chunk_size", "local_cpu", "enable_async_loading", "lookup_timeout_ms", "blocking_timeout_secs",
-                "save_unfull_chunk", "remote_serde"}
+                "save_unfull_chunk", "remote_serde", "use_gpu_connector_v3"}
 EXTRA_CONFIG_KEPT = {"pcp_shard_store", "resp_num_threads", "save_only_first_rank", "remote_enable_mla_worker_id_as0"}
 L1_GIB = 0.5
 ENV_KEPT = {"PYTHONHASHSEED", "VLLM_ENGINE_READY_TIMEOUT_S"}

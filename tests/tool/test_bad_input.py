@@ -165,6 +165,16 @@ def test_missing_dep3_headers_fail_lint(demo, capsys):
     assert "no Signed-off-by" in err and "no DEP-3 Forwarded" in err
 
 
+def test_a_bug_field_that_is_not_a_url_fails_lint(demo, capsys):
+    text = GOOD[1].replace("Forwarded: not-yet\n", "Forwarded: not-yet\nBug: the GET hangs (write-up #5551)\n")
+    demo.series(("0001-ok.patch", text))
+    assert demo.run("lint") == 1
+    assert "0001-ok.patch: DEP-3 Bug: must be the URL of an upstream report, not 'the GET hangs (write-up #5551)'" in capsys.readouterr().err
+    url = GOOD[1].replace("Forwarded: not-yet\n", "Forwarded: not-yet\nBug: https://github.com/LMCache/LMCache/issues/5293\n")
+    demo.series(("0001-ok.patch", url))
+    assert demo.run("lint") == 0
+
+
 def test_malformed_lock_file_names_the_field(demo, capsys):
     (demo.root / "build" / "pins.toml").write_text('[[artifact]]\nname = "demo"\n')
     assert demo.run("sources") == 2
