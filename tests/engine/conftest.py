@@ -44,6 +44,15 @@ def tiny_model(engine_python, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def char_model(engine_python, tiny_model, tmp_path_factory) -> Path:
+    """The tiny checkpoint with a character-level tokenizer (tests/engine/char_model.py)."""
+    out = tmp_path_factory.mktemp("char-model")
+    subprocess.run([str(engine_python), str(REPO / "tests/engine/char_model.py"), str(tiny_model), str(out)],
+                   check=True, capture_output=True, timeout=120, cwd=REPO)
+    return out
+
+
 class Engines:
     """Starts engines for one test and stops every one of them afterwards."""
 
@@ -52,10 +61,10 @@ class Engines:
         self.workdir = workdir
         self.running: list[engine_support.EngineServer] = []
 
-    def start(self, spec: engine_support.EngineSpec) -> engine_support.EngineServer:
+    def start(self, spec: engine_support.EngineSpec, port: int | None = None) -> engine_support.EngineServer:
         started = time.monotonic()
         try:
-            server = engine_support.start_engine(self.python, spec, self.workdir)
+            server = engine_support.start_engine(self.python, spec, self.workdir, port=port)
         except BaseException:
             TIMINGS["starts"].append((f"{spec.label} (failed)", time.monotonic() - started))
             raise
@@ -82,6 +91,29 @@ def engines(engine_python, tmp_path) -> Engines:
         yield started
     finally:
         started.stop_all()
+
+
+@pytest.fixture(scope="session")
+def shared_prefill(engine_python, char_model, tmp_path_factory):
+    """The prefill engine of the L2-loss scenarios and the operator tools (tests/engine/shared.py)."""
+    from tests.engine.shared import SharedPrefill
+
+    workdir = tmp_path_factory.mktemp("shared-prefill")
+    engines = Engines(engine_python, workdir)
+    shared = None
+    try:
+        shared = SharedPrefill(engines, char_model, workdir)
+        yield shared
+    finally:
+        engines.stop_all()
+        if shared is not None:
+            shared.close()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The users of the shared prefill engine run last, in their files' order: the
+    engine is up only while they run, and the Valkey-killed case comes after the others."""
+    items.sort(key=lambda item: "shared_prefill" in getattr(item, "fixturenames", ()))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

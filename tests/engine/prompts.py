@@ -10,6 +10,8 @@ CHUNKS = 4
 # (save_unfull_chunk false).
 PROMPT = [3 + random.Random(16).randrange(2000) for _ in range(CHUNKS * CHUNK + 15)]
 STORED = CHUNKS * CHUNK
+# Another prompt of the same shape, sharing no chunk with PROMPT.
+OTHER_PROMPT = [3 + random.Random(17).randrange(2000) for _ in range(CHUNKS * CHUNK + 15)]
 
 
 def same_output(a, b) -> None:

@@ -38,6 +38,8 @@ def test_prefill_overlay_connectors_and_lmcache():
     for key in cpu_overlay.LMCACHE_KEPT & set(preset.lmcache):
         assert spec.lmcache_config[key] == preset.lmcache[key], key
     assert spec.lmcache_config["extra_config"] == preset.lmcache["extra_config"]
+    # GLM-5 needs the V3 connector on the GPU node; on CPU LMCache refuses it.
+    assert preset.lmcache["use_gpu_connector_v3"] is True and spec.lmcache_config["use_gpu_connector_v3"] is False
     assert "VLLM_USE_V2_MODEL_RUNNER" not in spec.env and "LMCACHE_CONFIG_FILE" not in spec.env
 
 

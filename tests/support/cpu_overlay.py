@@ -23,7 +23,9 @@ vllm.yaml:
 lmcache.yaml: ``max_local_cpu_size`` 768 GiB -> 0.5 GiB (this machine has 24
 GB for everyone); ``remote_url``'s host template becomes loopback Valkeys
 with ``{rank}`` kept (in the port: instance r listens on ``base + r``, see
-:func:`rank_url`). ``pcp_shard_store`` stays: at PCP 1 LMCache logs that it
+:func:`rank_url`); ``use_gpu_connector_v3`` true -> false (LMCache refuses
+V3 on a CPU device, and the CPU connector, tests/support/cpu_connector, stands
+in for every GPU connector). ``pcp_shard_store`` stays: at PCP 1 LMCache logs that it
 has no effect and stores as ``save_only_first_rank``.
 
 env: ``VLLM_USE_V2_MODEL_RUNNER`` dropped (needs Triton, as PCP);
@@ -108,10 +110,8 @@ VLLM_RULES: dict[str, Callable[[Any], Any] | None] = {
 # (torch.compile of every start would dominate the engine phase on 2 cores).
 TEST_ADDITIONS = {"dtype": "float32", "max-model-len": 2048, "enforce-eager": True}
 
-# use_gpu_connector_v3 is kept though the CPU connector (tests/support/cpu_connector)
-# stands in for every GPU connector: LMCache still parses and reports it.
 LMCACHE_KEPT = {"chunk_size", "local_cpu", "enable_async_loading", "lookup_timeout_ms", "blocking_timeout_secs",
-                "save_unfull_chunk", "remote_serde", "use_gpu_connector_v3"}
+                "save_unfull_chunk", "remote_serde"}
 EXTRA_CONFIG_KEPT = {"pcp_shard_store", "resp_num_threads", "save_only_first_rank", "remote_enable_mla_worker_id_as0"}
 L1_GIB = 0.5
 ENV_KEPT = {"PYTHONHASHSEED", "VLLM_ENGINE_READY_TIMEOUT_S"}
@@ -174,6 +174,9 @@ def overlay_lmcache(preset: Preset, path: Path, base_port: int) -> dict:
             out[key] = value
         elif key == "max_local_cpu_size":
             out[key] = L1_GIB
+        elif key == "use_gpu_connector_v3":
+            # LMCache refuses V3 on a CPU device; the CPU connector stands in for it.
+            out[key] = False
         elif key == "remote_url":
             try:
                 out[key] = rank_url(value, base_port)

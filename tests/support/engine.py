@@ -233,15 +233,17 @@ def _ready(url: str) -> bool:
         return False
 
 
-def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_s: float = 240.0) -> EngineServer:
-    """Start the OpenAI server on a free loopback port; return once /health answers.
+def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_s: float = 240.0,
+                 port: int | None = None) -> EngineServer:
+    """Start the OpenAI server on a free loopback port (or ``port``: a restart behind the
+    same URL); return once /health answers.
 
     The engine gets its own process group (killed whole by ``stop``). A start
     that exits, or does not answer within ``startup_timeout_s``, raises with
     the log's tail; so does LMCache in degraded mode.
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_loopback_port()
+    port = port or free_loopback_port()
     config = workdir / f"{spec.label}-vllm.yaml"
     config.write_text(yaml.safe_dump(spec.vllm_config, sort_keys=False))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "LMCACHE_", "PYTEST_"))}

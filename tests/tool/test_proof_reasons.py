@@ -93,3 +93,33 @@ def test_pins():
 def test_an_unknown_left_out_patch_is_a_usage_error(pytester, monkeypatch):
     result = run(pytester, monkeypatch, "without:9999-nope.patch", "def test_x():\n    pass\n")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+@pytest.mark.parametrize("tree", ["pristine", f"without:{PATCH}"])
+def test_a_proof_whose_setup_fails_is_an_error_not_the_expected_failure(pytester, monkeypatch, tree):
+    # A fixture that fails (an engine that does not start, a port taken)
+    # says nothing about the patch, even if its message matches fails_with.
+    result = run(pytester, monkeypatch, tree, """
+@pytest.fixture
+def engine():
+    raise RuntimeError("address already in use: 2 pins left")
+
+@pytest.mark.fixes(PATCH, fails_with=r"2 pins left")
+def test_pins(engine):
+    assert False, "2 pins left"
+""")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*did not get to run its test: setup failed with RuntimeError: address already in use*"])
+
+
+def test_a_skipped_proof_stays_skipped(pytester, monkeypatch):
+    result = run(pytester, monkeypatch, "pristine", """
+@pytest.fixture
+def gpu():
+    pytest.skip("needs a CUDA GPU")
+
+@pytest.mark.fixes(PATCH, fails_with=r"x")
+def test_pins(gpu):
+    assert False
+""")
+    result.assert_outcomes(skipped=1)

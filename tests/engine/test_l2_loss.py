@@ -1,0 +1,213 @@
+"""The write-up's eviction race on a real engine: chunk keys gone between
+LMCache's lookup (EXISTS) and its load (GET).
+
+The shared prefill engine (shared.py) serves every case. Its LMCache talks
+to a real Valkey through ``resp_hook.ExistsHookProxy``, the fake that only
+forces the interleaving (a real run cannot hit the sub-millisecond window on
+demand, see its docstring); what happens in the window is real: a DEL of the
+keys, or Valkey's own ``allkeys-lru`` eviction under ``maxmemory``. The
+proxy's trace of the engine's commands shows the interleaving happened: four
+EXISTS, the hook, then the four GETs.
+
+Set-up: the prompt's first two chunks are stored alone (their keys are the
+prefix keys), then the whole prompt is served with only those two in Valkey:
+LMCache loads 512 tokens and vLLM computes the rest. That answer is the
+reference of a race that takes the two suffix chunks away: with the fix the
+request gets exactly that split, so exactly those logprobs. Before every case
+L1 is emptied through LMCache's internal API and Valkey holds all four keys.
+
+Without 0002 the GET of a missing key wedges a worker of LMCache's native
+RESP client, and the scheduler gives up after ``lookup_timeout_ms``
+("still waiting for async lookup ..."), recomputing everything; without 0003
+the unfilled buffers of the missing keys are handed to vLLM as KV.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.engine.prompts import CHUNK, CHUNKS, PROMPT
+from tests.engine.shared import SharedPrefill
+from tests.support.engine import Observation, observe
+
+PREFIX_CHUNKS = 2
+PREFIX = PROMPT[:PREFIX_CHUNKS * CHUNK + 7]     # two full chunks and a tail that is not stored
+LOADED = PREFIX_CHUNKS * CHUNK
+REQUEST_TIMEOUT_S = 60.0
+# LMCache's ways of saying a load hung until a timeout and the request was recomputed.
+HUNG = re.compile(r"still waiting for async lookup.*|.*timed out.*|.*the GET is abandoned.*")
+
+
+@dataclass
+class Race:
+    shared: SharedPrefill
+    prefix_keys: set[bytes] = field(default_factory=set)
+    suffix_keys: set[bytes] = field(default_factory=set)
+    partial: Observation | None = None      # the prompt served with only the prefix chunks in Valkey
+
+    @property
+    def server(self):
+        return self.shared.server
+
+    @property
+    def valkey(self):
+        return self.shared.valkey
+
+    @property
+    def proxy(self):
+        return self.shared.proxy
+
+    def prime(self) -> None:
+        """Valkey with the prefix chunks only, the prompt served from them (the reference)."""
+        client = self.valkey.client()
+        client.flushall()
+        self.shared.clear_l1()
+        stored = observe(self.server, [self.valkey], PREFIX)
+        assert stored.counts.stored == LOADED and stored.calls[0].get("set") == PREFIX_CHUNKS, stored.summary()
+        self.prefix_keys = set(client.keys("*"))
+        self.shared.clear_l1()
+        partial = observe(self.server, [self.valkey], PROMPT)
+        assert (partial.counts.retrieved, partial.counts.stored) == (LOADED, (CHUNKS - PREFIX_CHUNKS) * CHUNK), \
+            partial.summary()
+        assert partial.calls[0].get("get") == PREFIX_CHUNKS, partial.summary()
+        self.suffix_keys = set(client.keys("*")) - self.prefix_keys
+        assert len(self.suffix_keys) == CHUNKS - PREFIX_CHUNKS
+        self.partial = partial
+
+    def ready(self) -> None:
+        """L1 empty, Valkey holding all four chunks (a case on a broken build may have lost some)."""
+        if self.valkey.client().exists(*self.prefix_keys, *self.suffix_keys) != CHUNKS:
+            self.prime()
+        self.shared.clear_l1()
+
+    def name(self, key: str) -> str:
+        return {**{k.decode(): "prefix" for k in self.prefix_keys},
+                **{k.decode(): "suffix" for k in self.suffix_keys}}.get(key, key[-24:])
+
+    def run(self, hook) -> tuple[Observation, str, dict[str, int], list[tuple[str, str, bytes]]]:
+        """The prompt with ``hook`` run between its EXISTS and its GETs: the answer, the log,
+        Valkey's stats deltas and the proxy's trace of the engine's commands around it."""
+        self.ready()
+        before = self.valkey.client().info("stats")
+        mark = self.server.log_mark()
+        start = len(self.proxy.trace)
+        self.proxy.arm(hook, exists=CHUNKS)
+        try:
+            race = observe(self.server, [self.valkey], PROMPT, timeout_s=REQUEST_TIMEOUT_S)
+        finally:
+            self.proxy.disarm()
+        after = self.valkey.client().info("stats")
+        if self.proxy.hook_error is not None:
+            raise self.proxy.hook_error
+        stats = {k: after[k] - before[k] for k in ("keyspace_hits", "keyspace_misses", "evicted_keys")}
+        trace = [(command, self.name(key), reply) for command, key, reply in self.proxy.trace[start:]]
+        # The interleaving the case is about: all four keys looked up, the hook, then all four asked for.
+        commands = [c for c, _, _ in trace]
+        assert "HOOK" in commands, f"the request sent no EXISTS: it was not looked up in Valkey ({race.summary()})"
+        hook_at = commands.index("HOOK")
+        looked_up = [k for c, k, r in trace if c == "EXISTS" and r == b":1"]
+        loads = [(i, k) for i, (c, k, _) in enumerate(trace) if c == "GET"]
+        assert sorted(looked_up) == ["prefix"] * PREFIX_CHUNKS + ["suffix"] * (CHUNKS - PREFIX_CHUNKS), \
+            f"the lookup did not find all four chunks in Valkey (L1 not empty?): {trace}"
+        assert len(loads) == CHUNKS and all(i > hook_at for i, _ in loads), \
+            f"the load did not ask for all four chunks after the hook: {trace}"
+        return race, self.server.log_since(mark), stats, trace
+
+    def check_recomputed_suffix(self, race: Observation, log: str, stats: dict[str, int]) -> None:
+        """The fix's outcome: the prefix loaded, the missing suffix computed, at once, exactly the reference."""
+        hung = HUNG.search(log)
+        assert hung is None, (f"LMCache's load hung on the missing keys until its timeout "
+                              f"({race.completion.seconds:.1f} s): {hung.group(0).strip()[-300:]}")
+        assert race.counts.retrieved == LOADED, (f"LMCache served {race.counts.retrieved} tokens from Valkey, "
+                                                 f"which held only {LOADED} when it loaded ({race.summary()})")
+        # Valkey's view: four EXISTS and the two prefix GETs hit, the two suffix GETs missed.
+        assert (stats["keyspace_hits"], stats["keyspace_misses"]) == \
+            (CHUNKS + PREFIX_CHUNKS, CHUNKS - PREFIX_CHUNKS), stats
+        assert race.completion.tokens == self.partial.completion.tokens \
+            and race.completion.logprobs == self.partial.completion.logprobs, \
+            "logprobs differ from the prompt served with only the prefix chunks in Valkey"
+        bound = self.partial.completion.seconds + 0.75 * self.shared.lookup_timeout_s
+        assert race.completion.seconds < bound, \
+            f"{race.completion.seconds:.1f} s: the reference took {self.partial.completion.seconds:.1f} s"
+
+
+@pytest.fixture(scope="module")
+def race(shared_prefill):
+    state = Race(shared_prefill)
+    state.prime()
+    return state
+
+
+@pytest.mark.engine
+@pytest.mark.fixes("0002-redis-connector-missing-key-is-a-miss.patch",
+                   fails_with=r"LMCache's load hung on the missing keys until its timeout")
+def test_keys_deleted_between_lookup_and_load(race):
+    def delete_suffix():
+        assert race.valkey.client().delete(*race.suffix_keys) == len(race.suffix_keys)
+
+    result, log, stats, trace = race.run(delete_suffix)
+    race.check_recomputed_suffix(result, log, stats)
+    print(f"deleted between lookup and load: {result.summary()}, valkey {stats}; "
+          f"reference {race.partial.summary()}\nengine's commands: {trace}")
+
+
+@pytest.mark.engine
+@pytest.mark.fixes("0003-resp-connector-honour-per-key-get-results.patch",
+                   fails_with=r"LMCache served 1024 tokens from Valkey, which held only 512")
+def test_keys_evicted_by_lru_between_lookup_and_load(race):
+    """Valkey's allkeys-lru evicts the two suffix chunks (the least recently used:
+    the prefix chunks are touched later, a filler key is written last) when
+    maxmemory drops below what it holds."""
+    client = race.valkey.client()
+    chunk_bytes = client.strlen(next(iter(race.prefix_keys)))
+    race.ready()
+    time.sleep(1.2)  # Valkey's LRU clock ticks in seconds
+    assert client.touch(*race.prefix_keys) == PREFIX_CHUNKS
+    client.set("dist-test-filler", b"\0" * chunk_bytes)
+    used = _settled_used_memory(client)
+
+    evicted: dict[str, int] = {}
+
+    def evict_suffix():
+        # 1.5 chunks over the limit: Valkey evicts exactly two, the suffix chunks,
+        # idle the longest. Eviction frees in place (lazy eviction frees in the
+        # background, and Valkey would go on evicting until the memory is back).
+        before = client.info("stats")["evicted_keys"]
+        client.config_set("lazyfree-lazy-eviction", "no")
+        client.config_set("maxmemory-samples", 64)
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        client.config_set("maxmemory", used - 3 * chunk_bytes // 2)
+        client.ping()   # eviction runs before the next command
+        # One eviction, then room again: the engine's later store of the
+        # recomputed chunks must not evict more.
+        client.config_set("maxmemory", 0)
+        evicted["keys"] = client.info("stats")["evicted_keys"] - before
+        remaining = set(client.keys("*"))
+        assert remaining == race.prefix_keys | {b"dist-test-filler"}, \
+            f"LRU evicted {sorted((race.prefix_keys | race.suffix_keys) - remaining)}, not the two suffix chunks"
+
+    try:
+        result, log, stats, trace = race.run(evict_suffix)
+    finally:
+        client.config_set("maxmemory", 0)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.delete("dist-test-filler")
+    assert evicted["keys"] == stats["evicted_keys"] == CHUNKS - PREFIX_CHUNKS, (evicted, stats)
+    race.check_recomputed_suffix(result, log, stats)
+    print(f"evicted by LRU between lookup and load: {result.summary()}, valkey {stats}\nengine's commands: {trace}")
+
+
+def _settled_used_memory(client, timeout_s: float = 10.0) -> int:
+    """used_memory once a large write's query buffer is released (Valkey frees it in its cron)."""
+    deadline = time.monotonic() + timeout_s
+    last = client.info("memory")["used_memory"]
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = client.info("memory")["used_memory"]
+        if abs(now - last) < 64 * 1024:
+            return now
+        last = now
+    raise AssertionError(f"Valkey's used_memory did not settle within {timeout_s} s")
