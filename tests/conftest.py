@@ -113,13 +113,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     left_out = left_out_patch()
     marker = item.get_closest_marker("fixes")
-    expecting_failure = marker is not None and (
-        lmcache_tree() == "pristine" or (left_out is not None and marker.args[0] == left_out)
-    )
-    if (expecting_failure and call.when == "setup" and call.excinfo is not None
+    proving_left_out = marker is not None and left_out is not None and marker.args[0] == left_out
+    if (proving_left_out and call.when == "setup" and call.excinfo is not None
             and not call.excinfo.errisinstance(pytest.skip.Exception)):
-        # A fixture that fails (an engine that does not start, a port taken)
-        # proves nothing about the patch: an error, not the expected failure.
+        # Without its patch a proof must fail for its stated reason; a fixture
+        # that fails (an engine that does not start, a port taken) states none:
+        # an error. (On pristine any failure counts, a missing module included.)
         report.outcome = "failed"
         report.longrepr = (f"proof of {marker.args[0]} did not get to run its test: setup failed with "
                            f"{_clip(f'{call.excinfo.typename}: {call.excinfo.value}')}")
