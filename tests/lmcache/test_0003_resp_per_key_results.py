@@ -361,19 +361,9 @@ def test_batch_with_a_miss_writes_the_loaded_prefix_back_to_l1(valkey):
     import torch
 
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
-    from lmcache.v1.config import LMCacheEngineConfig
-    from tests.support.pcp_ranks import CHUNK_SIZE, make_kv_connector, mla_metadata
+    from tests.support.pcp_ranks import CHUNK_SIZE, make_kv_connector, mla_metadata, valkey_engine_config
 
-    config = LMCacheEngineConfig.from_defaults(
-        chunk_size=CHUNK_SIZE,
-        local_cpu=True,
-        max_local_cpu_size=0.02,
-        remote_url=valkey.url,
-        remote_serde="naive",
-        save_unfull_chunk=False,
-        blocking_timeout_secs=5,
-        extra_config={"save_chunk_meta": False, "resp_num_threads": 2},
-    )
+    config = valkey_engine_config(valkey.url)
     instance_id = f"write-back-{id(valkey)}"
     kv = make_kv_connector(1024)
     engine = LMCacheEngineBuilder.get_or_create(

@@ -237,19 +237,9 @@ def test_engine_destroy_returns(valkey):
     """The vLLM shutdown path: LMCacheEngineBuilder.destroy of an engine whose
     L2 is Valkey (resp://) closes its RemoteBackend."""
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
-    from lmcache.v1.config import LMCacheEngineConfig
-    from tests.support.pcp_ranks import CHUNK_SIZE, make_kv_connector, mla_metadata
+    from tests.support.pcp_ranks import CHUNK_SIZE, make_kv_connector, mla_metadata, valkey_engine_config
 
-    config = LMCacheEngineConfig.from_defaults(
-        chunk_size=CHUNK_SIZE,
-        local_cpu=True,
-        max_local_cpu_size=0.02,
-        remote_url=valkey.url,
-        remote_serde="naive",
-        save_unfull_chunk=False,
-        blocking_timeout_secs=5,
-        extra_config={"save_chunk_meta": False, "resp_num_threads": 2},
-    )
+    config = valkey_engine_config(valkey.url)
     instance_id = f"destroy-{id(valkey)}"
     kv = make_kv_connector(256)
     engine = LMCacheEngineBuilder.get_or_create(

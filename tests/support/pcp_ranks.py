@@ -114,6 +114,22 @@ def make_kv_connector(max_tokens: int, num_layers: int = NUM_LAYERS, head_size: 
     return CpuPagedKV()
 
 
+def valkey_engine_config(url: str):
+    """A one-rank engine config with a small L1 and ``url`` (a real Valkey) as L2."""
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    return LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK_SIZE,
+        local_cpu=True,
+        max_local_cpu_size=0.02,
+        remote_url=url,
+        remote_serde="naive",
+        save_unfull_chunk=False,
+        blocking_timeout_secs=5,
+        extra_config={"save_chunk_meta": False, "resp_num_threads": 2},
+    )
+
+
 def mla_metadata(
     model_name: str,
     world_size: int,
