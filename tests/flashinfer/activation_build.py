@@ -111,6 +111,21 @@ def activation_part(text: str) -> str:
     raise BuildError(f"{DEV_KERNEL}: no line {ACTIVATION_END!r}; update activation_part()")
 
 
+# The harness's SM90 variant of the patched kernel. FlashInfer builds this module for SM100/SM103
+# only, and the shipped kernel asks for 8 CTAs per SM (64 registers), which is free of spills
+# there; on SM90 the E4m3 instantiation spills at 64 registers, so the H100/H200 harness builds it
+# for 6 CTAs per SM. Only this line differs; the timing of an SM90 run is of this variant.
+SM90_MIN_CTAS = ("constexpr int DEEP_SEEK_ACTIVATION_MIN_CTAS_PER_SM = 8;",
+                 "constexpr int DEEP_SEEK_ACTIVATION_MIN_CTAS_PER_SM = 6;")
+
+
+def harness_variant(text: str, arch: str) -> str:
+    """The source the harness compiles for arch: the revision's own, except SM90's occupancy line."""
+    if arch != "sm_90a" or SM90_MIN_CTAS[0] not in text:
+        return text  # the pristine revision has no such line
+    return text.replace(SM90_MIN_CTAS[0], SM90_MIN_CTAS[1], 1)
+
+
 HEADER_SUFFIXES = (".h", ".cuh", ".hpp", ".hh", ".inl", ".inc")
 
 

@@ -47,7 +47,7 @@ import pytest
 
 from tests.flashinfer import activation_build as ab
 
-ARCHS = ("sm_103a", "sm_100a")
+ARCHS = ("sm_103a", "sm_100a", "sm_90a")
 DTYPES = ("float_e4m3_t", "bfloat16_t", "half_t")
 
 
@@ -85,7 +85,13 @@ def builds(toolchain, tmp_path_factory):
     pristine_src.write_text(ab.activation_part(pristine.text(ab.DEV_KERNEL)))
     result = {}
     for arch in ARCHS:
-        for sources, src in ((patched, patched.path(ab.DEV_KERNEL)), (pristine, pristine_src)):
+        patched_src = patched.path(ab.DEV_KERNEL)
+        if arch == "sm_90a":
+            # FlashInfer builds the module for SM100/SM103 only; SM90 is the H100/H200 harness's
+            # build, of its variant (activation_build.harness_variant), cut like the pristine file.
+            patched_src = out / "patched_sm_90a_activation_part.cu"
+            patched_src.write_text(ab.harness_variant(ab.activation_part(patched.text(ab.DEV_KERNEL)), arch))
+        for sources, src in ((patched, patched_src), (pristine, pristine_src)):
             tag = f"{sources.name}-{arch}"
             keep = out / tag
             keep.mkdir()
@@ -104,6 +110,8 @@ def builds(toolchain, tmp_path_factory):
     }
     (out / "ptxas_report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     result["report_path"] = out / "ptxas_report.json"
+    result["sources"] = {"patched": ab.activation_part(patched.text(ab.DEV_KERNEL)),
+                         "pristine": pristine_src.read_text()}
     return result
 
 
@@ -114,7 +122,7 @@ def _deepseek(build: dict, dtype: str | None = None) -> dict[str, dict]:
 
 def _table(builds) -> str:
     rows = [("kernel", "arch", "tree", "regs", "barriers", "smem", "stack", "spills")]
-    for (tree, arch), build in sorted((k, v) for k, v in builds.items() if isinstance(k, tuple)):
+    for (tree, arch), build in sorted((k, v) for k, v in builds.items() if isinstance(k, tuple) and len(k) == 2):
         for name, s in sorted(build["stats"].items(), key=lambda kv: ab.short_name(kv[0])):
             if "activationDeepSeekKernel" not in name and tree == "pristine":
                 continue  # the non-DeepSeek kernel is unchanged; its patched row suffices
@@ -197,3 +205,13 @@ def test_non_deepseek_kernel_is_unchanged(builds, arch):
     changed = [ab.short_name(n) for n in names
                if n not in patched or ab.normalized_ptx(pristine[n]) != ab.normalized_ptx(patched[n])]
     assert not changed, f"activationKernel PTX changed on {arch}: {changed}"
+
+
+def test_shipped_kernel_has_no_arch_specific_path(builds):
+    """The module FlashInfer ships is built for SM100/SM103: the patch adds no path that only an
+    SM90 build would take (the H200 harness's variant lives in activation_build.harness_variant)."""
+    patched, pristine = builds["sources"]["patched"], builds["sources"]["pristine"]
+    assert patched.count("__CUDA_ARCH__") == pristine.count("__CUDA_ARCH__"), (
+        "the patched activation code tests __CUDA_ARCH__ where the pristine code does not")
+    assert ab.SM90_MIN_CTAS[0] in patched  # the one line the harness's SM90 variant changes
+    assert ab.harness_variant(patched, "sm_100a") == patched == ab.harness_variant(patched, "sm_103a")

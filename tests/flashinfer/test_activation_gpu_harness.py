@@ -51,18 +51,32 @@ def _run(args: list[str], timeout: int) -> str:
     return out
 
 
-def test_gpu_harness_builds_from_a_bundle(tmp_path):
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
     _toolchain()
-    bundle = tmp_path / "bundle"
-    _run(["--make-bundle", str(bundle), "--out", str(tmp_path / "scratch")], timeout=600)
+    tmp = tmp_path_factory.mktemp("bundle")
+    bundle = tmp / "bundle"
+    _run(["--make-bundle", str(bundle), "--out", str(tmp / "scratch")], timeout=600)
     for name in ("pristine", "patched"):
         assert (bundle / name / ab.DEV_KERNEL).is_file()
-    out = _run(["--bundle", str(bundle), "--build-only", "--arch", "sm_103a", "--jobs", "1",
+    return bundle
+
+
+@pytest.mark.parametrize("arch", ["sm_103a", "sm_100a", "sm_90a"])
+def test_gpu_harness_builds_from_a_bundle(bundle, tmp_path, arch):
+    """The libraries every harness case runs, host and device code, for each arch."""
+    out = _run(["--bundle", str(bundle), "--build-only", "--arch", arch, "--jobs", "1",
                 "--out", str(tmp_path / "build")], timeout=1200)
-    libs = {name: tmp_path / "build" / f"libactivation_{name}_sm_103a.so" for name in ("pristine", "patched")}
+    libs = {name: tmp_path / "build" / f"libactivation_{name}_{arch}.so" for name in ("pristine", "patched")}
     assert all(p.is_file() for p in libs.values()), out
     has_mn_limit = {name: ctypes.CDLL(str(p)).dist_activation_has_mn_limit() for name, p in libs.items()}
     assert has_mn_limit == {"pristine": 0, "patched": 1}, has_mn_limit
+    part = (tmp_path / "build" / f"patched_{arch}_activation_part.cu").read_text()
+    assert (ab.SM90_MIN_CTAS[1] in part) == (arch == "sm_90a")  # the SM90 variant, there only
+    for log in (tmp_path / "build").glob("build_*.log"):
+        stats = {n: s for n, s in ab.ptxas_stats(log.read_text()).items() if "10activation" in n}
+        assert any("DeepSeek" in n for n in stats), f"{log}: no ptxas -v report of the activation kernels"
+        assert not [n for n, s in stats.items() if s.get("stack") or s.get("spill_stores")], log
 
 
 @pytest.mark.gpu
@@ -91,18 +105,15 @@ class _ReferenceLibrary:
         out_sf = case.out_sf.numpy()[: nb * case.rows].reshape(nb, case.rows)
         rows = case.routing.rows_from_mn_limit() if mn_limit else case.routing.local_rows()
         gated = None
-        if case.alpha is not None:
-            gated = ref.GatedAct(case.alpha.numpy(), case.beta.numpy(), case.limit.numpy())
+        if any(t is not None for t in (case.alpha, case.beta, case.limit)):
+            gated = ref.GatedAct(*(None if t is None else t.numpy() for t in (case.alpha, case.beta, case.limit)))
         ref.activation_deepseek(case.inp.numpy().view(storage), case.in_sf.numpy(), case.routing, out,
                                 out_sf, case.dtype, gated, rows=rows)
         if self.flip:
             out[case.local_rows[-1], -1] ^= 1
 
 
-@pytest.mark.parametrize("routing,dtype,gated", [("skewed", "e4m3", False), ("random", "e4m3", True),
-                                                 ("random", "bf16", False)])
-def test_gpu_harness_checks_on_cpu(routing, dtype, gated):
-    """run.py's inputs, routing and checks, on CPU tensors with the reference as both kernels."""
+def _harness():
     import numpy as np
     import torch
 
@@ -112,6 +123,17 @@ def test_gpu_harness_checks_on_cpu(routing, dtype, gated):
     finally:
         sys.path.remove(str(RUN.parent))
     harness.torch_, harness.np = torch, np
+    return harness
+
+
+@pytest.mark.parametrize("routing,dtype,gated", [("skewed", "e4m3", False), ("random", "e4m3", True),
+                                                 ("random", "bf16", False)])
+def test_gpu_harness_checks_on_cpu(routing, dtype, gated):
+    """run.py's inputs, routing and checks, on CPU tensors with the reference as both kernels."""
+    import numpy as np
+    import torch
+
+    harness = _harness()
     ref = harness.ref
     case = harness.Case(torch, 512, routing, dtype=dtype, gated=gated, seed=3, device="cpu")
     assert len(case.local_rows) > 0 and case.rows > len(case.local_rows)  # there is padding
@@ -122,4 +144,73 @@ def test_gpu_harness_checks_on_cpu(routing, dtype, gated):
     assert refcheck["exact"] == refcheck["elements"] > 0
     same, _ = harness.check_case({"pristine": _ReferenceLibrary(ref), "patched": _ReferenceLibrary(ref, flip=True)},
                                  case, results, failures, np.random.default_rng(0), 256, "cpu-flip")
+    assert not same["rows"] and not same["slots"] and len(failures) == 1
+
+
+def test_case_grid_covers_the_issue():
+    """Every token count, width, tile, walk, launch mode and routing kind of issue 19 is a checked case."""
+    harness = _harness()
+    checks = harness.check_grid()
+    shapes = [c.shape for c in checks]
+    assert {1, 2, 8, 16, 64, 256, 1024, 8192, 32768, 65536, 131072} <= {s.num_tokens for s in shapes}
+    assert {s.width for s in shapes} == {128, 256, 384, 1536, 2048}
+    assert {s.width for s in shapes if s.num_tokens == 131072} == {256, 2048}
+    assert {c.tile for s in shapes for c in [s] if c.tile} == {8, 16, 32, 64, 128}
+    assert {c.pdl for c in checks} == {False, True}
+    assert {s.routing for s in shapes} == {"random", "skewed", "local", "remote"}
+    assert {s.gated for s in shapes} == {None, "full", "alpha", "beta"}
+    assert {s.dtype for s in shapes} == {"e4m3", "bf16", "fp16"}
+    assert any(s.local_offset for s in shapes) and any(s.num_local_experts == 256 for s in shapes)
+    assert len(set(checks)) == len(checks)
+    timings = harness.timing_grid()
+    kinds: dict[str, set[int]] = {}
+    for t in timings:
+        kinds.setdefault(t.kind, set()).add(t.shape.num_tokens)
+    assert {1, 2, 8, 16} <= kinds["decode"] and max(kinds["prefill"]) == 131072
+    assert {t.shape.width for t in timings if t.kind == "tp8"} == {256} and max(kinds["tp8"]) == 131072
+    assert {t.walk for t in timings} == {"rows", "slots"} and any(t.pdl for t in timings)
+    assert any(t.shape.tile == 64 for t in timings)
+
+
+@pytest.mark.parametrize("shape_kwargs", [
+    dict(num_tokens=16, width=128), dict(num_tokens=64, width=384), dict(num_tokens=8, width=1536),
+    dict(num_tokens=16, routing="remote"), dict(num_tokens=16, width=384, routing="local"),
+    dict(num_tokens=64, local_offset=96), dict(num_tokens=64, width=384, local_offset=224, routing="local"),
+    dict(num_tokens=64, gated="alpha"), dict(num_tokens=64, width=384, gated="beta"),
+    dict(num_tokens=64, width=256, num_local_experts=256), dict(num_tokens=64, tile=16, width=384),
+    dict(num_tokens=1, width=256, dtype="fp16"),
+], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_every_case_kind_builds_and_checks_on_cpu(shape_kwargs):
+    """Each new case kind: its routing is what it says, and the harness checks pass and catch a flip."""
+    import numpy as np
+    import torch
+
+    harness = _harness()
+    ref = harness.ref
+    shape = harness.Shape(**shape_kwargs)
+    case = harness.Case(torch, shape, seed=5, device="cpu")
+    r = case.routing
+    expanded = r.expanded_idx_to_permuted_idx
+    local = np.count_nonzero(expanded >= 0)
+    if shape.routing == "remote":
+        assert local == 0 and case.rows == 0
+    elif shape.routing == "local" or shape.num_local_experts == harness.NUM_EXPERTS:
+        assert local == expanded.size
+    else:
+        assert 0 < local < expanded.size
+    if shape.tile:
+        assert case.tile == shape.tile
+    assert (case.alpha is not None) == (shape.gated in ("full", "alpha"))
+    assert (case.beta is not None) == (shape.gated in ("full", "beta"))
+    assert (case.limit is not None) == (shape.gated == "full")
+    results, failures = [], []
+    same, refcheck = harness.check_case({"pristine": _ReferenceLibrary(ref), "patched": _ReferenceLibrary(ref)},
+                                        case, results, failures, np.random.default_rng(0), 128, shape.label)
+    assert all(same.values()) and refcheck["ok"] and not failures, failures
+    if shape.routing == "remote":
+        assert same == {"rows": True, "slots": True, "nothing_written": True}
+        return
+    assert refcheck["exact"] == refcheck["elements"] > 0
+    same, _ = harness.check_case({"pristine": _ReferenceLibrary(ref), "patched": _ReferenceLibrary(ref, flip=True)},
+                                 case, results, failures, np.random.default_rng(0), 128, "flip")
     assert not same["rows"] and not same["slots"] and len(failures) == 1

@@ -61,3 +61,25 @@ def test_plot_rejects_what_is_not_a_result(tmp_path, content, expect):
     assert proc.returncode == 2
     assert str(bad) in proc.stderr and expect in proc.stderr
     assert not out.exists()
+
+
+def test_plot_reads_the_current_result_format(tmp_path):
+    """run.py's current JSON (labelled shapes, nvcc, cross-device note), built here from its own
+    timing grid with placeholder times: the plot is written (nothing is claimed about the times)."""
+    sys.path.insert(0, str(GPU))
+    try:
+        import run as harness
+    finally:
+        sys.path.remove(str(GPU))
+    timings = [{"label": t.label, "kind": t.kind, "tokens": t.shape.num_tokens, "width": t.shape.width,
+                "routing": t.shape.routing, "tile": t.shape.tile or 8, "walk": t.walk, "pdl": t.pdl,
+                "pristine_us": 2.0 + i, "patched_us": 1.0 + i, "ratio": (2.0 + i) / (1.0 + i),
+                "copy_fraction": 0.5} for i, t in enumerate(harness.timing_grid())]
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"gpu": "placeholder", "arch": "sm_90a", "timings": timings,
+                                  "nvcc": "Cuda compilation tools, release 13.0, V13.0.88",
+                                  "cross_device_note": "measured on placeholder (sm_90a)"}))
+    out = tmp_path / "activation.png"
+    proc = _plot(str(result), str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == PNG_MAGIC and out.stat().st_size > 10_000

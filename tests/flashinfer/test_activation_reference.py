@@ -194,7 +194,7 @@ def test_nan_free_extremes():
     assert not np.isnan(ref.e4m3_to_float(q)).any() and q[0, 0] == 0x7E
 
 
-@pytest.mark.parametrize("d", [128, 384, 640, 1152])
+@pytest.mark.parametrize("d", [128, 256, 384, 640, 1152, 1536, 2048])
 def test_tail_blocks_are_independent(d):
     """Rows of 1, 3, 5, 9 blocks (not multiples of a warp's 4 or an iteration's 8): each
     block's result depends on that block alone."""
@@ -238,6 +238,31 @@ def test_gated_clamp_and_alpha_beta():
     np.testing.assert_allclose(got, want, rtol=0.07, atol=scale[0, 0] * 2.0**-9)
 
 
+@pytest.mark.parametrize("only", ["alpha", "beta"])
+def test_gated_with_one_control_matches_float64(only):
+    """alpha only (beta 0, no clamp) and beta only (alpha 1, no clamp), the cases where the kernel
+    reads one control pointer and keeps the other's neutral value: per row, against float64."""
+    rows, d = 16, 384
+    inp, sf = random_rows(RNG, rows, d)
+    value = (RNG.uniform(0.5, 2, rows) if only == "alpha" else RNG.uniform(-0.5, 0.5, rows)).astype(np.float32)
+    gated = ref.GatedAct(alpha=value) if only == "alpha" else ref.GatedAct(beta=value)
+    q, scale = ref.activate_rows(inp, sf, gated=gated)
+    nb = d // 128
+    x = ref.e4m3_to_float(inp).astype(np.float64).reshape(rows, 2, nb, 128)
+    s = sf.astype(np.float64).reshape(rows, 2, nb, 1)
+    x1, x2 = x[:, 0] * s[:, 0], x[:, 1] * s[:, 1]
+    alpha = value[:, None, None] if only == "alpha" else 1.0
+    beta = value[:, None, None] if only == "beta" else 0.0
+    with np.errstate(over="ignore"):
+        want = x2 / (1.0 + np.exp(-alpha * x2)) * (x1 + beta)
+    want_scale = np.maximum(np.abs(want).max(axis=-1) / 448.0, float(ref.FLT_MIN))
+    np.testing.assert_allclose(scale, want_scale, rtol=1e-5)
+    got = ref.e4m3_to_float(q).reshape(rows, nb, 128) * scale[..., None]
+    np.testing.assert_allclose(got, want, rtol=0.07, atol=float(scale.max()) * 2.0**-9)
+    plain_q, _ = ref.activate_rows(inp, sf)
+    assert not np.array_equal(plain_q, q)  # the control is applied, not dropped
+
+
 # ---------------------------------------------------------------------------------------------
 # Routing and the kernel's buffers
 
@@ -246,7 +271,7 @@ def random_topk(rng, num_tokens, num_experts=256, top_k=8):
     return np.argsort(rng.random((num_tokens, num_experts)), axis=1)[:, :top_k].astype(np.int32)
 
 
-@pytest.mark.parametrize("tile", [8, 64, 128, 48])
+@pytest.mark.parametrize("tile", [8, 16, 32, 64, 128, 48])
 def test_mn_limit_walk_finds_exactly_the_local_rows(tile):
     """The patched kernel walks [0, totalNumPaddedTokens) and keeps rows below their tile's
     MN limit: that must be exactly the set of permuted rows of local slots."""
@@ -307,6 +332,19 @@ def test_ep8_mixed_routing_writes_only_local_rows():
     ref.activation_deepseek(inp, in_sf, routing, out, out_sf)
     untouched = np.setdiff1d(np.arange(routing.total_num_padded_tokens), routing.local_rows())
     assert (out[untouched] == 0xA5).all() and (out_sf[:, untouched] == -1234.5).all()
+
+
+@pytest.mark.parametrize("offset", [96, 224])
+def test_nonzero_expert_offset_maps_global_to_local_experts(offset):
+    """EP8 ranks 3 and 7: the local experts are [offset, offset + 32), numbered from 0 in the tiles."""
+    topk = random_topk(RNG, 400)
+    routing = ref.build_routing(topk, offset, 32, 16)
+    flat = topk.reshape(-1)
+    local = (flat >= offset) & (flat < offset + 32)
+    assert ((routing.expanded_idx_to_permuted_idx >= 0) == local).all()
+    rows = routing.expanded_idx_to_permuted_idx[local]
+    np.testing.assert_array_equal(routing.cta_idx_xy_to_batch_idx[rows // 16], flat[local] - offset)
+    np.testing.assert_array_equal(routing.rows_from_mn_limit(), routing.local_rows())
 
 
 def test_gated_per_expert_lookup_through_the_tile():

@@ -2,7 +2,7 @@
 """Plot a GPU harness result (run.py --json FILE) as a PNG.
 
 Left: microseconds per call of the pristine and the patched activation kernel per shape
-(log scale, ratio on top of each pair). Right: the patched kernel's bandwidth for the bytes
+(log scale, ratio on top of each pair; shapes named by kind: decode, prefill, tp8, tile, slots). Right: the patched kernel's bandwidth for the bytes
 it must move, as a share of the measured device-to-device copy bandwidth, with the issue's
 50% goal drawn in.
 
@@ -37,6 +37,17 @@ def load_result(path: Path) -> dict:
     return data
 
 
+def _label(t: dict) -> str:
+    """'32k\nrandom' for the first run's shapes; kind, tokens, width and variant for later runs."""
+    tokens = f"{t['tokens'] // 1024}k" if t["tokens"] >= 1024 else str(t["tokens"])
+    if "kind" not in t:
+        return f"{tokens}\n{t['routing']}"
+    variant = [v for v, on in (("slots", t.get("walk") == "slots"), ("pdl", t.get("pdl")),
+                               (f"tile{t.get('tile')}", t["kind"] == "tile"),
+                               (t["routing"], t["routing"] != "random")) if on]
+    return "\n".join([f"{t['kind']} {tokens}", f"w{t.get('width', '?')}", *variant])
+
+
 def plot(data: dict, out: Path, goal_fraction: float = 0.5) -> None:
     import matplotlib
 
@@ -44,28 +55,40 @@ def plot(data: dict, out: Path, goal_fraction: float = 0.5) -> None:
     import matplotlib.pyplot as plt
 
     timings = data["timings"]
-    labels = [f"{t['tokens'] // 1024}k\n{t['routing']}" for t in timings]
+    labels = [_label(t) for t in timings]
     xs = range(len(timings))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    many = len(timings) > 8  # a later run's grid: one panel above the other, labels upright
+    if many:
+        labels = [label.replace("\n", " ") for label in labels]
+        fig, (left, right) = plt.subplots(2, 1, figsize=(max(12, 0.45 * len(timings)), 10))
+    else:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rotation = 90 if many else 0
     width = 0.38
     left.bar([x - width / 2 for x in xs], [t["pristine_us"] for t in timings], width, label="pristine")
     left.bar([x + width / 2 for x in xs], [t["patched_us"] for t in timings], width, label="patched")
     for x, t in zip(xs, timings):
-        left.annotate(f"{t['ratio']:.1f}x", (x, t["pristine_us"]), ha="center", va="bottom", fontsize=8)
+        left.annotate(f"{t['ratio']:.1f}x", (x, max(t["pristine_us"], t["patched_us"])), ha="center",
+                      va="bottom", fontsize=7 if many else 8, rotation=rotation)
     left.set_yscale("log")
     left.set_ylabel("us per call (median, L2 flushed)")
-    left.set_xticks(list(xs), labels)
-    left.set_title("DeepSeek FP8 activation, EP8 (32 of 256 experts local), top-k 8")
+    left.set_xticks(list(xs), labels, rotation=rotation, fontsize=8 if many else None)
+    left.set_title("DeepSeek FP8 activation, top-k 8 (EP8: 32 of 256 experts local; tp8: all 256)")
     left.legend()
     right.bar(list(xs), [100 * t["copy_fraction"] for t in timings], color="tab:orange")
     right.axhline(100 * goal_fraction, color="black", linestyle="--", linewidth=1,
                   label=f"goal {goal_fraction:.0%}")
     right.set_ylim(0, 100)
     right.set_ylabel("patched: % of device copy bandwidth")
-    right.set_xticks(list(xs), labels)
+    right.set_xticks(list(xs), labels, rotation=rotation, fontsize=8 if many else None)
     right.set_title(f"copy bandwidth {data.get('copy_GBps', 0):.0f} GB/s")
     right.legend()
-    fig.suptitle(f"{data.get('gpu', '?')} ({data.get('arch', '?')})")
+    title = f"{data.get('gpu', '?')} ({data.get('arch', '?')})"
+    if data.get("nvcc"):
+        title += f", {data['nvcc'].split(';')[0]}"
+    if data.get("cross_device_note"):
+        title += f"\n{data['cross_device_note']}"
+    fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

@@ -3,18 +3,23 @@
 
 Builds the activation kernels of both FlashInfer revisions for the GPU at hand (sm_90a on
 H100/H200, sm_100a on B200, sm_103a on B300), each into its own shared library from
-activation_bench.cu, with FlashInfer's JIT flags; runs both on EP8-shaped inputs
-(intermediate size 2048 per half, top-k 8, 256 experts of which 32 are local, tokens
-2,048 / 16,384 / 32,768, routing random and skewed); checks that the outputs and scales
-are bit-identical over the whole buffers (the patched kernel both walking the permuted
-rows and walking the expanded slots), that they agree with the CPU reference
-(../activation_reference.py), and times both: microseconds per call (L2 flushed before
-each call, median), the ratio, and the patched kernel's bandwidth for the bytes it must
-move against the GPU's measured copy bandwidth. Also checks the OAI-gated variant, the
-bf16/fp16 instantiations and a PDL launch for bit-identity.
+activation_bench.cu, with FlashInfer's JIT flags (for sm_90a, the patched kernel as the
+harness's SM90 variant: activation_build.harness_variant). Then:
 
-Needs PyTorch with CUDA and nvcc (DIST_CUDA_HOME, CUDA_HOME, or nvcc on PATH). Under five
-minutes on one GPU (the two builds run in parallel).
+* check_grid: bit-identity of pristine and patched on every case kind of issue 19 (tokens 1
+  to 131,072, output widths 128 to 2,048, tiles 8 to 128, rows and slots walks, PDL on and
+  off, all-local and all-remote routing, nonzero expert offsets, gated with all controls,
+  alpha only and beta only, bf16/fp16, TP8), the outputs and scales over the whole buffers,
+  untouched rows untouched, and agreement with the CPU reference (../activation_reference.py)
+  on a sample of rows;
+* timing_grid: the serving shapes (decode <= 16 tokens EP8, TP8 width 256, prefill up to
+  131,072 tokens, tile 64, the slots walk, PDL): microseconds per call (L2 flushed before each
+  call, median), the pristine/patched ratio, and the patched kernel's bandwidth for the bytes
+  it must move against the GPU's measured copy bandwidth.
+
+Every result records the GPU, the nvcc release and, off B300, that a comparison with B300
+figures is across devices. Needs PyTorch with CUDA and nvcc (DIST_CUDA_HOME, CUDA_HOME, or
+nvcc on PATH). About three minutes on one H200 (the two builds run in parallel).
 
 Sources, in order of preference:
   --bundle DIR   a bundle made by --make-bundle (for a GPU machine without the trees)
@@ -23,8 +28,9 @@ Sources, in order of preference:
                  (default: $DIST_WORK, else <repo>/work)
 
 Modes:
-  run.py                           build, check, time (exit 0 ok, 1 wrong results,
-                                   3 performance goals missed; --no-perf-gate: 0)
+  run.py [--json F] [--png F]      build, check, time (exit 0 ok, 1 wrong results,
+                                   3 a shape slower than pristine or a goal missed;
+                                   --no-perf-gate: 0)
   run.py --build-only --arch sm_103a --out DIR
                                    build both libraries, no GPU needed
   run.py --make-bundle DIR         copy exactly the files the builds read (found with
@@ -40,8 +46,10 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -55,8 +63,6 @@ NUM_LOCAL_EXPERTS = 32  # EP8
 LOCAL_EXPERT_OFFSET = 0
 TOP_K = 8
 INTERMEDIATE = 2048  # per half: innerDim = 4096
-TOKENS = (2048, 16384, 32768)
-ROUTINGS = ("random", "skewed")
 GOAL_RATIO = 6.8  # at 32,768 tokens (FlashInfer PR #3969: 1572 us -> 230 us on B300)
 GOAL_COPY_FRACTION = 0.5
 JIT_FILES = ["flashinfer/jit/core.py", "flashinfer/jit/cpp_ext.py", "flashinfer/jit/fused_moe.py",
@@ -103,13 +109,13 @@ def _compile_args(sources: ab.Sources, arch: str, cuda: Path, part: Path) -> lis
 
 
 def build_one(sources: ab.Sources, arch: str, cuda: Path, out: Path) -> Path:
-    part = out / f"{sources.name}_activation_part.cu"
-    part.write_text(ab.activation_part(sources.text(ab.DEV_KERNEL)))
+    part = out / f"{sources.name}_{arch}_activation_part.cu"
+    part.write_text(ab.harness_variant(ab.activation_part(sources.text(ab.DEV_KERNEL)), arch))
     lib = out / f"libactivation_{sources.name}_{arch}.so"
     t0 = time.time()
     # The pip nvcc wheel keeps libcudart_static.a in lib/, where its nvcc.profile does not look.
     libdirs = [f"-L{d}" for d in (cuda / "lib", cuda / "lib64") if d.is_dir()]
-    ab.nvcc(cuda, [*_compile_args(sources, arch, cuda, part), *libdirs, "-shared", "-o", str(lib)],
+    ab.nvcc(cuda, [*_compile_args(sources, arch, cuda, part), *libdirs, "-Xptxas", "-v", "-shared", "-o", str(lib)],
             out / f"build_{sources.name}_{arch}.log", timeout=900)
     log(f"built {lib.name} in {time.time() - t0:.0f} s")
     return lib
@@ -195,20 +201,60 @@ class Library:
 # Inputs
 
 
-class Case:
-    """One EP8-shaped input: routing metadata and buffers on the GPU."""
+@dataclass(frozen=True)
+class Shape:
+    """One input kind: the routing and buffers a case is built from."""
 
-    def __init__(self, torch, num_tokens: int, routing: str, dtype: str = "e4m3", gated: bool = False,
-                 seed: int = 0, tile: int | None = None, device: str = "cuda"):
+    num_tokens: int
+    width: int = INTERMEDIATE  # output width: innerDim / 2
+    routing: str = "random"  # random, skewed, local (every slot local), remote (none local)
+    dtype: str = "e4m3"
+    gated: str | None = None  # None, "full" (alpha, beta, clamp), "alpha", "beta"
+    tile: int | None = None  # None: computeSelectedTileN's centre for the shape
+    num_local_experts: int = NUM_LOCAL_EXPERTS
+    local_offset: int = LOCAL_EXPERT_OFFSET
+
+    @property
+    def label(self) -> str:
+        parts = [f"{self.num_tokens}", f"w{self.width}", self.routing]
+        if self.num_local_experts == NUM_EXPERTS:
+            parts.append("tp8")
+        if self.local_offset:
+            parts.append(f"off{self.local_offset}")
+        if self.tile is not None:
+            parts.append(f"tile{self.tile}")
+        if self.dtype != "e4m3":
+            parts.append(self.dtype)
+        if self.gated:
+            parts.append(f"gated-{self.gated}")
+        return "/".join(parts)
+
+
+def default_tile(num_tokens: int, num_local_experts: int) -> int:
+    """computeSelectedTileN's centre: next power of two of the mean rows per expert, 8..128."""
+    avg = num_tokens * TOP_K / num_local_experts
+    return min(128, max(8, 1 << max(0, int(avg - 1).bit_length())))
+
+
+class Case:
+    """One input on the device: routing metadata and buffers."""
+
+    def __init__(self, torch, num_tokens: int | Shape, routing: str = "random", dtype: str = "e4m3",
+                 gated: bool | str | None = None, seed: int = 0, tile: int | None = None,
+                 device: str = "cuda", **shape_kwargs):
+        if isinstance(num_tokens, Shape):
+            shape = num_tokens
+        else:
+            shape = Shape(num_tokens, routing=routing, dtype=dtype, tile=tile,
+                          gated="full" if gated is True else (gated or None), **shape_kwargs)
+        self.shape = shape
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        self.num_tokens, self.routing_kind, self.dtype = num_tokens, routing, dtype
-        self.intermediate = INTERMEDIATE
-        topk = self._topk(torch, num_tokens, routing, gen)
-        if tile is None:  # computeSelectedTileN's centre: next power of two of the mean, 8..128
-            avg = num_tokens * TOP_K / NUM_LOCAL_EXPERTS
-            tile = min(128, max(8, 1 << max(0, int(avg - 1).bit_length())))
-        self.tile = tile
-        self.routing = ref.build_routing(topk.numpy(), LOCAL_EXPERT_OFFSET, NUM_LOCAL_EXPERTS, tile)
+        self.num_tokens, self.routing_kind, self.dtype = shape.num_tokens, shape.routing, shape.dtype
+        self.intermediate = shape.width
+        self.num_local_experts = shape.num_local_experts
+        topk = self._topk(torch, shape, gen)
+        self.tile = shape.tile or default_tile(shape.num_tokens, shape.num_local_experts)
+        self.routing = ref.build_routing(topk.numpy(), shape.local_offset, shape.num_local_experts, self.tile)
         r = self.routing
         self.rows = r.total_num_padded_tokens
         self.local_rows = r.local_rows()
@@ -217,39 +263,56 @@ class Case:
         i32 = torch.int32
         self.expanded = torch.from_numpy(r.expanded_idx_to_permuted_idx).to(dev, i32)
         self.total = torch.tensor([self.rows], dtype=i32, device=dev)
-        self.mn_limit = torch.from_numpy(r.cta_idx_xy_to_mn_limit).to(dev, i32)
-        self.batch_idx = torch.from_numpy(r.cta_idx_xy_to_batch_idx).to(dev, i32)
+        # At least one element, so that an all-remote case still passes valid pointers.
+        self.mn_limit = torch.from_numpy(np.append(r.cta_idx_xy_to_mn_limit, 0).astype(np.int32)).to(dev)
+        self.batch_idx = torch.from_numpy(np.append(r.cta_idx_xy_to_batch_idx, 0).astype(np.int32)).to(dev)
         rows = max(self.rows, 1)
         inner = 2 * self.intermediate
         nb = self.intermediate // ref.NUM_ELTS_PER_SF
-        values = torch.randn(rows, inner, generator=gen) * 3.0
-        values[:, : inner // 2] *= torch.rand(rows, 1, generator=gen) * 4  # row-varying ranges
-        if dtype == "e4m3":
-            self.inp = values.to(torch.float8_e4m3fn).view(torch.uint8).to(dev)
-            fill = torch.full((rows, self.intermediate), 0xA5, dtype=torch.uint8)
+        # Values are drawn on the device (a 131,072-token TP8 case is 2 GB of float32).
+        dgen = torch.Generator(device=dev).manual_seed(seed)
+        values = torch.randn(rows, inner, generator=dgen, device=dev) * 3.0
+        values[:, : inner // 2] *= torch.rand(rows, 1, generator=dgen, device=dev) * 4  # row-varying ranges
+        if self.dtype == "e4m3":
+            self.inp = values.to(torch.float8_e4m3fn).view(torch.uint8)
+            self.out = torch.full((rows, self.intermediate), 0xA5, dtype=torch.uint8, device=dev)
         else:
-            tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
-            self.inp = values.to(tdt).view(torch.int16).to(dev)
-            fill = torch.full((rows, self.intermediate), 0x1A5, dtype=torch.int16)
-        self.in_sf = torch.exp2(torch.rand(2 * nb * rows, generator=gen) * 8 - 12).to(dev)
-        self.out = fill.to(dev)
+            tdt = torch.bfloat16 if self.dtype == "bf16" else torch.float16
+            self.inp = values.to(tdt).view(torch.int16)
+            self.out = torch.full((rows, self.intermediate), 0x1A5, dtype=torch.int16, device=dev)
+        del values
+        self.in_sf = torch.exp2(torch.rand(2 * nb * rows, generator=dgen, device=dev) * 8 - 12)
         self.out_sf = torch.full((nb * rows,), -1234.5, dtype=torch.float32, device=dev)
         self.alpha = self.beta = self.limit = None
-        if gated:
-            self.alpha = (torch.rand(NUM_LOCAL_EXPERTS, generator=gen) + 0.8).to(dev)
-            self.beta = (torch.rand(NUM_LOCAL_EXPERTS, generator=gen) - 0.5).to(dev)
-            self.limit = (torch.rand(NUM_LOCAL_EXPERTS, generator=gen) * 4 + 1).to(dev)
+        e = shape.num_local_experts
+        if shape.gated in ("full", "alpha"):
+            self.alpha = (torch.rand(e, generator=gen) + 0.8).to(dev)
+        if shape.gated in ("full", "beta"):
+            self.beta = (torch.rand(e, generator=gen) - 0.5).to(dev)
+        if shape.gated == "full":
+            self.limit = (torch.rand(e, generator=gen) * 4 + 1).to(dev)
+        if shape.gated not in (None, "full", "alpha", "beta"):
+            raise ValueError(f"unknown gated variant {shape.gated!r}")
         self.fill_out, self.fill_sf = self.out.clone(), self.out_sf.clone()
 
     @staticmethod
-    def _topk(torch, num_tokens, routing, gen):
-        scores = torch.rand(num_tokens, NUM_EXPERTS, generator=gen)
-        if routing == "skewed":
+    def _topk(torch, shape: Shape, gen):
+        scores = torch.rand(shape.num_tokens, NUM_EXPERTS, generator=gen)
+        if shape.routing == "skewed":
             # Zipf-like popularity (weight 1/rank^1.2, ranks shuffled over the experts),
             # sampled without replacement by Gumbel-top-k.
             rank = torch.randperm(NUM_EXPERTS, generator=gen).float() + 1
             gumbel = -torch.log(-torch.log(scores.clamp_min(1e-12)))
             scores = -1.2 * torch.log(rank) + gumbel
+        elif shape.routing in ("local", "remote"):
+            local = torch.zeros(NUM_EXPERTS, dtype=torch.bool)
+            local[shape.local_offset: shape.local_offset + shape.num_local_experts] = True
+            keep = local if shape.routing == "local" else ~local
+            if int(keep.sum()) < TOP_K:
+                raise ValueError(f"{shape.label}: fewer than top-k {shape.routing} experts")
+            scores = torch.where(keep, scores, scores - 2.0)  # scores lie in [0, 1)
+        elif shape.routing != "random":
+            raise ValueError(f"unknown routing {shape.routing!r}")
         return scores.topk(TOP_K, dim=1).indices.to(torch.int32)
 
     def reset(self):
@@ -266,6 +329,16 @@ class Case:
         per_row = 2 * self.intermediate * es + 2 * nb * 4 + self.intermediate * es + nb * 4
         return len(self.local_rows) * per_row
 
+    def gated_rows(self, rows):
+        if self.alpha is None and self.beta is None and self.limit is None:
+            return None
+        expert = self.routing.cta_idx_xy_to_batch_idx[rows // self.tile]
+
+        def pick(t):
+            return None if t is None else t.cpu().numpy()[expert]
+
+        return ref.GatedAct(pick(self.alpha), pick(self.beta), pick(self.limit))
+
     def reference_check(self, out, out_sf, max_rows: int, gen) -> dict:
         """The CPU reference on (a sample of) the local rows."""
         rows = self.local_rows
@@ -273,20 +346,107 @@ class Case:
             pick = gen.choice(len(rows), size=max_rows - 2, replace=False)
             rows = np.unique(np.concatenate([rows[pick], rows[:1], rows[-1:]]))
         if len(rows) == 0:
-            return {"ok": True, "elements": 0}
+            return {"ok": True, "elements": 0, "exact": 0, "one_step": 0}
         nb = self.intermediate // ref.NUM_ELTS_PER_SF
         idx = torch_.from_numpy(rows).to(self.device, torch_.long)
         inp = self.inp[idx].cpu().numpy().view(ref.DTYPES[self.dtype][0])
         in_sf = self.in_sf[: 2 * nb * self.rows].view(2 * nb, self.rows)[:, idx].T.cpu().numpy()
-        gated = None
-        if self.alpha is not None:
-            expert = self.routing.cta_idx_xy_to_batch_idx[rows // self.tile]
-            gated = ref.GatedAct(self.alpha.cpu().numpy()[expert], self.beta.cpu().numpy()[expert],
-                                 self.limit.cpu().numpy()[expert])
-        q_ref, sf_ref = ref.activate_rows(inp, in_sf, self.dtype, gated)
+        q_ref, sf_ref = ref.activate_rows(inp, in_sf, self.dtype, self.gated_rows(rows))
         q_gpu = out[idx].cpu().numpy().view(ref.DTYPES[self.dtype][0])
         sf_gpu = out_sf[: nb * self.rows].view(nb, self.rows)[:, idx].T.cpu().numpy()
         return ref.compare_with_kernel(q_gpu, sf_gpu, q_ref, sf_ref, dtype=self.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The case grid
+
+
+@dataclass(frozen=True)
+class Check:
+    """A bit-identity check: pristine against patched (both walks), one launch mode."""
+
+    shape: Shape
+    pdl: bool = False
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A timed serving shape: pristine and patched, the patched kernel in one walk."""
+
+    kind: str  # decode, prefill, tp8, tile, slots, pdl
+    shape: Shape
+    walk: str = "rows"  # rows: the fused runner (MN limits set); slots: the staged API
+    pdl: bool = False
+
+    @property
+    def label(self) -> str:
+        extra = "".join(f"/{x}" for x, on in (("slots", self.walk == "slots"), ("pdl", self.pdl)) if on)
+        return f"{self.kind}:{self.shape.label}{extra}"
+
+
+ALL_TOKENS = (1, 2, 8, 16, 64, 256, 1024, 8192, 32768, 65536, 131072)
+HUGE_TOKENS = (65536, 131072)  # bit-checked at the widths the presets run only
+WIDTHS = (128, 256, 384, 1536, 2048)
+TILES = (8, 16, 32, 64, 128)
+TP8 = dict(num_local_experts=NUM_EXPERTS, width=256)  # the aggregated baseline: every expert local
+
+
+def check_grid(full: bool = True) -> list[Check]:
+    """Every case kind of the issue, each bit-checked (full=False: a few, for a smoke run)."""
+    checks: list[Check] = []
+    for n in ALL_TOKENS:
+        for w in WIDTHS:
+            if n in HUGE_TOKENS and w not in (256, 2048):
+                continue
+            checks.append(Check(Shape(n, width=w)))
+    for n in (16, 1024, 32768):
+        for tile in TILES:
+            checks.append(Check(Shape(n, tile=tile)))
+    for tile in TILES:
+        checks.append(Check(Shape(1024, width=384, tile=tile)))
+    for n in (1, 16, 1024, 32768):
+        for w in (256, 2048):
+            checks.append(Check(Shape(n, width=w), pdl=True))
+    for n in (1, 16, 8192):
+        for w in (384, 2048):
+            checks.append(Check(Shape(n, width=w, routing="remote")))
+            checks.append(Check(Shape(n, width=w, routing="local")))
+    for n in (16, 8192):
+        checks.append(Check(Shape(n, local_offset=96)))  # EP8 rank 3: experts 96..127
+        checks.append(Check(Shape(n, width=384, local_offset=224, routing="local")))  # the last rank
+    for n in (16, 2048):
+        for w in (384, 2048):
+            for g in ("full", "alpha", "beta"):
+                checks.append(Check(Shape(n, width=w, gated=g)))
+    for n in (16, 2048):
+        for w in (256, 2048):
+            for d in ("bf16", "fp16"):
+                checks.append(Check(Shape(n, width=w, dtype=d)))
+    checks.append(Check(Shape(2048, dtype="bf16", gated="full"), pdl=True))
+    for n in (2048, 16384, 32768):
+        checks.append(Check(Shape(n, routing="skewed")))
+    for n in (1, 16, 1024, 8192, 32768, 131072):
+        checks.append(Check(Shape(n, **TP8)))
+    checks.append(Check(Shape(16, **TP8), pdl=True))
+    if not full:
+        keep = {Shape(16), Shape(1024, width=384), Shape(16, routing="remote"), Shape(16, gated="alpha"),
+                Shape(16, **TP8), Shape(2048, width=256, dtype="bf16")}
+        checks = [c for c in checks if c.shape in keep]
+    return checks
+
+
+def timing_grid(full: bool = True) -> list[Timing]:
+    """The serving shapes: decode (<= 16 tokens, EP8, width 2048), TP8 (width 256), prefill to 131k."""
+    timings = [Timing("decode", Shape(n)) for n in (1, 2, 8, 16, 64, 256)]
+    timings += [Timing("decode", Shape(16), pdl=True)]
+    timings += [Timing("tp8", Shape(n, **TP8)) for n in (1, 16, 256, 1024, 8192, 32768, 131072)]
+    timings += [Timing("prefill", Shape(n)) for n in (1024, 2048, 8192, 16384, 32768, 65536, 131072)]
+    timings += [Timing("prefill", Shape(32768, routing="skewed")), Timing("prefill", Shape(32768), pdl=True)]
+    timings += [Timing("tile", Shape(32768, tile=64)), Timing("tile", Shape(1024, tile=64))]
+    timings += [Timing("slots", Shape(n), walk="slots") for n in (16, 32768)]
+    if not full:
+        timings = [t for t in timings if t.shape.num_tokens <= 1024]
+    return timings
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,12 +514,68 @@ def check_case(libs, case: Case, results: list, failures: list, gen, max_rows: i
     if len(untouched):
         idx = torch_.from_numpy(untouched).to(case.device, torch_.long)
         same["untouched"] = bool(torch_.equal(got["rows"][0][idx], case.fill_out[idx]))
+    if len(case.local_rows) == 0:  # all remote: nothing may be written anywhere
+        same["nothing_written"] = bool(torch_.equal(got["rows"][0], case.fill_out)
+                                       and torch_.equal(got["slots"][1], case.fill_sf))
     ok = all(same.values()) and refcheck["ok"]
     if not ok:
         failures.append(f"{label}: bit-identical {same}, reference {refcheck}")
-    results.append({"case": label, "local_rows": int(len(case.local_rows)), "padded_rows": case.rows,
+    results.append({"case": label, "pdl": pdl, "local_rows": int(len(case.local_rows)), "padded_rows": case.rows,
                     "tile": case.tile, "bit_identical": same, "reference": refcheck})
     return same, refcheck
+
+
+def nvcc_release(cuda: Path) -> str:
+    """nvcc's own words: 'Cuda compilation tools, release 13.0, V13.0.88' and the build line."""
+    proc = subprocess.run([str(cuda / "bin" / "nvcc"), "--version"], capture_output=True, text=True)
+    lines = [line.strip() for line in proc.stdout.splitlines() if line.startswith(("Cuda compilation", "Build"))]
+    if proc.returncode != 0 or not lines:
+        raise ab.BuildError(f"{cuda / 'bin' / 'nvcc'} --version: {proc.stdout}{proc.stderr}")
+    return "; ".join(lines)
+
+
+def run_checks(libs, checks: list[Check], seed_base: int, gen, ref_rows: int, results, failures) -> None:
+    log(f"bit-identity: {len(checks)} cases (pristine vs patched walking rows and slots; CPU reference on "
+        f"up to {ref_rows} rows each)")
+    for i, check in enumerate(checks):
+        label = check.shape.label + ("/pdl" if check.pdl else "")
+        case = Case(torch_, check.shape, seed=seed_base + i)
+        same, refcheck = check_case(libs, case, results, failures, gen, ref_rows, label, pdl=check.pdl)
+        status = "ok" if all(same.values()) and refcheck["ok"] else f"FAIL {same} {refcheck}"
+        log(f"  {label:<40} rows {len(case.local_rows):>7}  tile {case.tile:>3}  {status}")
+        del case
+
+
+def run_timings(libs, timings: list[Timing], iters: int, flush, copy_bw: float, seed_base: int) -> list[dict]:
+    log(f"{'shape':<44} {'rows':>7} {'pristine us':>12} {'patched us':>11} {'ratio':>7} {'GB/s':>6} {'%copy':>6}")
+    out = []
+    for i, timing in enumerate(timings):
+        case = Case(torch_, timing.shape, seed=seed_base + i)
+        rows_walk = timing.walk == "rows"
+        t_pri = time_us(lambda: libs["pristine"].run(case, pdl=timing.pdl), iters, flush)
+        t_pat = time_us(lambda: libs["patched"].run(case, mn_limit=rows_walk, pdl=timing.pdl), iters, flush)
+        bw = case.bytes_moved() / (t_pat * 1e-6)
+        out.append({"label": timing.label, "kind": timing.kind, "tokens": timing.shape.num_tokens,
+                    "width": timing.shape.width, "routing": timing.shape.routing, "tile": case.tile,
+                    "walk": timing.walk, "pdl": timing.pdl, "local_rows": int(len(case.local_rows)),
+                    "pristine_us": t_pri, "patched_us": t_pat, "ratio": t_pri / t_pat,
+                    "patched_GBps": bw / 1e9, "copy_fraction": bw / copy_bw, "bytes": case.bytes_moved()})
+        log(f"{timing.label:<44} {len(case.local_rows):>7} {t_pri:>12.1f} {t_pat:>11.1f} {t_pri / t_pat:>7.2f} "
+            f"{bw / 1e9:>6.0f} {100 * bw / copy_bw:>5.0f}%")
+        del case
+    return out
+
+
+def goals_of(timings: list[dict]) -> list[tuple[str, bool, str]]:
+    goals = []
+    for t in timings:
+        goals.append((f"patched not slower than pristine at {t['label']}", t["ratio"] >= 1.0, f"{t['ratio']:.2f}"))
+        if t["kind"] == "prefill" and t["tokens"] == 32768 and not t["pdl"]:
+            goals.append((f"ratio >= {GOAL_RATIO} at {t['label']} (the goal is B300's, from PR #3969)",
+                          t["ratio"] >= GOAL_RATIO, f"{t['ratio']:.2f}"))
+            goals.append((f"patched >= {GOAL_COPY_FRACTION:.0%} of copy bandwidth at {t['label']}",
+                          t["copy_fraction"] >= GOAL_COPY_FRACTION, f"{t['copy_fraction']:.0%}"))
+    return goals
 
 
 def main(argv=None) -> int:
@@ -371,10 +587,11 @@ def main(argv=None) -> int:
     p.add_argument("--arch", help="sm_90a, sm_100a, sm_103a (default: the GPU's)")
     p.add_argument("--out", default=None, help="build directory (default: a temporary one)")
     p.add_argument("--jobs", type=int, default=2, help="parallel nvcc builds")
-    p.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    p.add_argument("--smoke", action="store_true", help="a few cases and shapes only")
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--ref-rows", type=int, default=2048, help="rows per case checked against the CPU reference")
+    p.add_argument("--ref-rows", type=int, default=512, help="rows per case checked against the CPU reference")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--png", help="plot the timings here (plot.py)")
     p.add_argument("--no-perf-gate", action="store_true", help="report the goals but exit 0 if missed")
     args = p.parse_args(argv)
 
@@ -403,8 +620,12 @@ def main(argv=None) -> int:
         sys.exit("run.py: no CUDA GPU visible to PyTorch (use --build-only to only build)")
     arch = args.arch or detect_arch()
     props = torch_.cuda.get_device_properties(0)
+    nvcc = nvcc_release(cuda)
     log(f"GPU: {props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB, "
-        f"arch {arch}; nvcc {cuda}")
+        f"arch {arch}; nvcc {cuda}: {nvcc}")
+    if arch != "sm_103a":
+        log(f"note: these numbers are for {props.name} ({arch}); the serving target is B300 (sm_103a), and a "
+            "comparison with B300 figures is across devices")
     t_start = time.time()
     libs = {name: Library(path) for name, path in build(revs, arch, cuda, out, args.jobs).items()}
     if libs["pristine"].has_mn_limit or not libs["patched"].has_mn_limit:
@@ -414,55 +635,35 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth(1 << 30)
     log(f"copy bandwidth (1 GiB device-to-device, read + write): {copy_bw / 1e9:.0f} GB/s")
 
-    results, failures, timings = [], [], []
-    header = (f"{'tokens':>7} {'routing':>7} {'rows':>6} {'pristine us':>12} {'patched us':>11} "
-              f"{'ratio':>6} {'GB/s':>6} {'%copy':>6}  bit-identical  reference")
-    log(header)
-    for num_tokens in args.tokens:
-        for routing in ROUTINGS:
-            case = Case(torch_, num_tokens, routing, seed=num_tokens + (routing == "skewed"))
-            same, refcheck = check_case(libs, case, results, failures, gen, args.ref_rows,
-                                        f"{num_tokens}/{routing}")
-            t_pri = time_us(lambda: libs["pristine"].run(case), args.iters, flush)
-            t_pat = time_us(lambda: libs["patched"].run(case), args.iters, flush)
-            bw = case.bytes_moved() / (t_pat * 1e-6)
-            timings.append({"tokens": num_tokens, "routing": routing, "pristine_us": t_pri,
-                            "patched_us": t_pat, "ratio": t_pri / t_pat, "patched_GBps": bw / 1e9,
-                            "copy_fraction": bw / copy_bw, "bytes": case.bytes_moved()})
-            ident = "yes" if all(same.values()) else f"NO {same}"
-            refs = (f"ok ({refcheck['exact']}/{refcheck['elements']} exact, {refcheck['one_step']} one step)"
-                    if refcheck["ok"] else f"FAIL {refcheck}")
-            log(f"{num_tokens:>7} {routing:>7} {len(case.local_rows):>6} {t_pri:>12.1f} {t_pat:>11.1f} "
-                f"{t_pri / t_pat:>6.2f} {bw / 1e9:>6.0f} {100 * bw / copy_bw:>5.0f}%  {ident:<13}  {refs}")
-            del case
+    results, failures = [], []
+    run_checks(libs, check_grid(not args.smoke), 1000, gen, args.ref_rows, results, failures)
+    log(f"checks done at {time.time() - t_start:.0f} s")
+    timings = run_timings(libs, timing_grid(not args.smoke), args.iters, flush, copy_bw, 5000)
 
-    extra = [("2048/random/gated", dict(gated=True)), ("2048/random/bf16", dict(dtype="bf16")),
-             ("2048/random/fp16", dict(dtype="fp16"))]
-    for label, kwargs in extra:
-        case = Case(torch_, 2048, "random", seed=7, **kwargs)
-        same, refcheck = check_case(libs, case, results, failures, gen, args.ref_rows, label)
-        log(f"{label}: bit-identical {all(same.values())}, reference {'ok' if refcheck['ok'] else refcheck}")
-    case = Case(torch_, 2048, "skewed", seed=11)
-    same, refcheck = check_case(libs, case, results, failures, gen, args.ref_rows, "2048/skewed/pdl", pdl=True)
-    log(f"2048/skewed/pdl: bit-identical {all(same.values())}")
-
-    goals = []
-    for t in timings:
-        if t["tokens"] == 32768:
-            goals.append((f"ratio >= {GOAL_RATIO} at 32768/{t['routing']}", t["ratio"] >= GOAL_RATIO,
-                          f"{t['ratio']:.2f}"))
-            goals.append((f"patched >= {GOAL_COPY_FRACTION:.0%} of copy bandwidth at 32768/{t['routing']}",
-                          t["copy_fraction"] >= GOAL_COPY_FRACTION, f"{t['copy_fraction']:.0%}"))
+    goals = goals_of(timings)
     for name, met, value in goals:
-        log(f"goal {'met   ' if met else 'MISSED'} {name}: {value}")
-    log(f"done in {time.time() - t_start:.0f} s")
+        if not met or "B300" in name or "copy" in name:
+            log(f"goal {'met   ' if met else 'MISSED'} {name}: {value}")
+    log(f"{sum(met for _, met, _ in goals)} of {len(goals)} goals met; done in {time.time() - t_start:.0f} s")
+    result = {"gpu": props.name, "arch": arch, "sms": props.multi_processor_count, "nvcc": nvcc,
+              "nvcc_path": str(cuda), "torch": torch_.__version__, "torch_cuda": torch_.version.cuda,
+              "cross_device_note": None if arch == "sm_103a" else
+              f"measured on {props.name} ({arch}); B300 (sm_103a) figures are another device",
+              "copy_GBps": copy_bw / 1e9, "timings": timings, "checks": results, "failures": failures,
+              "goals": goals}
     if args.json:
-        Path(args.json).write_text(json.dumps({"gpu": props.name, "arch": arch, "copy_GBps": copy_bw / 1e9,
-                                               "timings": timings, "checks": results, "failures": failures,
-                                               "goals": goals}, indent=2, default=str))
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    if args.png:
+        try:
+            import plot
+            plot.plot(result, Path(args.png))
+            log(f"wrote {args.png}")
+        except ImportError as exc:  # no matplotlib on the GPU machine: plot the JSON elsewhere
+            log(f"no PNG ({exc}); run plot.py on the JSON")
     if failures:
-        log("WRONG RESULTS:\n  " + "\n  ".join(failures))
+        log(f"WRONG RESULTS ({len(failures)} of {len(results)} cases):\n  " + "\n  ".join(failures))
         return 1
+    log(f"bit-identical and within the CPU reference's bounds: {len(results)} of {len(results)} cases")
     if not args.no_perf_gate and not all(met for _, met, _ in goals):
         return 3
     return 0
