@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import hashlib
 import inspect
 import os
 import textwrap
@@ -304,6 +305,7 @@ def round_trip(
     model_dir: str | None = None,
     num_layers: int = 2,
     device: str = "cpu",
+    async_loading: bool = False,
 ) -> dict[str, Any]:
     """Register vLLM's dict through the adapter; then, for each case (a
     prompt of ``num_tokens`` tokens, the first ``vllm_cached_tokens`` of which
@@ -313,8 +315,18 @@ def round_trip(
     ``wait_for_save`` and ``start_load_kv`` call the engine. Reports, per
     case and layer, whether every byte of every loaded token equals the
     stored one, whether vLLM's cached tokens were left alone, and the DSA
-    indexer's top-k on both caches."""
+    indexer's top-k on both caches.
+
+    With ``async_loading`` (``enable_async_loading``, as the prefill preset
+    runs) the adapter's LMCacheAsyncLookupServer prefetches (pin=True) what
+    vLLM's scheduler-side connector asks for through its
+    LMCacheAsyncLookupClient, the load takes the prefetched objects, and
+    ``lookup_unpin`` (``wait_for_save``) ends the request; each case then
+    also reports the (ref count, pin count) of every L1 chunk of its prompt
+    after the prefetch and after the request."""
     env = {"LMCACHE_USE_GPU_CONNECTOR_V3": "True", **(lmcache_env or {})}
+    if async_loading:
+        env["LMCACHE_ENABLE_ASYNC_LOADING"] = "True"
     kv, connector = start_worker(
         Path(workdir), variant, env, Path(model_dir) if model_dir else None, num_layers, device
     )
@@ -326,13 +338,16 @@ def round_trip(
     except Exception as exc:  # noqa: BLE001 - reported to the test
         result["register_error"] = _error(exc)
         return result
+    lookup_client = _scheduler_lookup_client(kv) if async_loading else None
+    if async_loading:
+        result["lookup"] = [type(adapter.lookup_server).__name__, type(lookup_client).__name__]
     manager = engine.metadata.kv_layer_groups_manager
     result["groups"] = (
         [[str(g.engine_kv_format).split(".")[-1], g.num_layers, g.shape_desc.hs] for g in manager.kernel_groups]
         if manager is not None else None
     )
     result["cases"] = [
-        _one_case(kv, adapter, engine, index, case, store_blocks, load_blocks, phase)
+        _one_case(kv, adapter, engine, index, case, store_blocks, load_blocks, phase, lookup_client)
         for index, case in enumerate(cases)
     ]
     result["backends"] = list(engine.storage_manager.storage_backends)
@@ -341,7 +356,75 @@ def round_trip(
     return result
 
 
-def _one_case(kv, adapter, engine, index, case, store_blocks, load_blocks, phase) -> dict[str, Any]:
+def _scheduler_lookup_client(kv: Any) -> Any:
+    """The lookup client of vLLM's scheduler-side LMCacheConnectorV1 for the
+    same engine (in vLLM it lives in the engine core process; here in the
+    worker's process, talking to the worker's lookup server over ZMQ)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (
+        LMCacheConnectorV1,
+    )
+
+    with set_current_vllm_config(kv.vllm_config):
+        scheduler = LMCacheConnectorV1(kv.vllm_config, KVConnectorRole.SCHEDULER, kv.kv_cache_config)
+    return scheduler._lmcache_engine.lookup_client
+
+
+def _async_lookup(client: Any, tokens: Any, lookup_id: str, timeout_s: float = 30.0) -> int:
+    """What the scheduler does for a new request under async loading: send
+    the lookup (every worker's server prefetches) and poll for the answer."""
+    import time
+
+    assert client.lookup_cache(lookup_id) == -1
+    assert client.lookup(tokens, lookup_id=lookup_id) is None
+    deadline = time.monotonic() + timeout_s
+    while (answer := client.lookup_cache(lookup_id)) is None:
+        assert time.monotonic() < deadline, f"no prefetch answer for {lookup_id}"
+    return int(answer)
+
+
+def prefetched_objects(engine: Any, lookup_id: str, timeout_s: float = 30.0) -> list[tuple[Any, Any]]:
+    """The (key, memory object) pairs the prefetch of ``lookup_id`` holds,
+    read from its event without taking it (the load takes it); [] if the
+    prefetch registered none (it found nothing)."""
+    import time
+
+    from lmcache.v1.event_manager import EventStatus, EventType
+
+    events = engine.event_manager
+    deadline = time.monotonic() + timeout_s
+    while (status := events.get_event_status(EventType.LOADING, lookup_id)) == EventStatus.ONGOING:
+        assert time.monotonic() < deadline, f"the prefetch of {lookup_id} did not finish"
+        time.sleep(0.01)
+    if status != EventStatus.DONE:
+        return []
+    return [pair for tier in events.get_event_future(EventType.LOADING, lookup_id).result() for pair in tier]
+
+
+def object_counts(engine: Any, tokens: Any, pairs: list[tuple[Any, Any]]) -> dict[int, list[Any]]:
+    """Per prefetched chunk (by start): whether L1 holds that very object,
+    its ref count and its pin count."""
+    starts = {key: int(start) for start, _, key in engine.token_database.process_tokens(tokens)}
+    backend = engine.storage_manager.local_cpu_backend
+    return {
+        starts[key]: [backend.hot_cache.get(key) is obj, obj.get_ref_count(), obj.meta.pin_count]
+        for key, obj in pairs
+    }
+
+
+def l1_counts(engine: Any, tokens: Any) -> dict[int, list[int]]:
+    """(ref count, pin count) of each chunk of ``tokens`` in L1, by start."""
+    backend = engine.storage_manager.local_cpu_backend
+    counts = {}
+    for start, _, key in engine.token_database.process_tokens(tokens):
+        obj = backend.hot_cache.get(key)
+        if obj is not None:
+            counts[int(start)] = [obj.get_ref_count(), obj.meta.pin_count]
+    return counts
+
+
+def _one_case(kv, adapter, engine, index, case, store_blocks, load_blocks, phase, lookup_client=None) -> dict[str, Any]:
     import torch
 
     num_tokens, vllm_cached_tokens = case["num_tokens"], case.get("vllm_cached_tokens", 0)
@@ -368,14 +451,29 @@ def _one_case(kv, adapter, engine, index, case, store_blocks, load_blocks, phase
         tensor.copy_(before[name])
     mask = torch.ones(num_tokens, dtype=torch.bool)
     mask[: vllm_cached_tokens // CHUNK_SIZE * CHUNK_SIZE] = False
+    load_kwargs: dict[str, Any] = {}
+    scheduled = num_tokens
+    if lookup_client is not None:
+        lookup_id = f"glm5-async-{index}"
+        scheduled = min(num_tokens, _async_lookup(lookup_client, tokens, lookup_id))
+        result["lookup_answer"] = scheduled
+        result["prefetched"] = l1_counts(engine, tokens)
+        pairs = prefetched_objects(engine, lookup_id)
+        result["prefetched_objects"] = object_counts(engine, tokens, pairs)
+        load_kwargs["req_id"] = lookup_id
     try:
         ret = engine.retrieve(
-            tokens, mask, kvcaches=kvcaches, slot_mapping=load_slots.to(device),
-            vllm_cached_tokens=vllm_cached_tokens,
+            tokens[:scheduled], mask[:scheduled], kvcaches=kvcaches,
+            slot_mapping=load_slots[:scheduled].to(device),
+            vllm_cached_tokens=vllm_cached_tokens, **load_kwargs,
         )
     except Exception as exc:  # noqa: BLE001
         result["load_error"] = _error(exc)
         return result
+    if lookup_client is not None:
+        engine.lookup_unpin(load_kwargs["req_id"])  # wait_for_save
+        result["after"] = l1_counts(engine, tokens)
+        result["prefetched_objects_after"] = object_counts(engine, tokens, pairs)
     # The retrieved tokens are a prefix of the unmasked ones.
     end = int(ret.nonzero().max()) + 1 if int(ret.sum()) else 0
     result["loaded_end"] = end
@@ -427,8 +525,9 @@ def _stored_chunk_bytes(engine: Any, tokens: Any) -> list[int]:
 
 
 def _wait_for_remote_puts(engine: Any, cases: list[dict[str, int]], timeout_s: float = 30.0) -> bool:
-    """Wait until the remote backend holds every full chunk of the cases'
-    prompts (its puts are asynchronous); whether it does."""
+    """Wait until the remote backend holds every chunk of the cases'
+    prompts the engine stores (its puts are asynchronous): the full ones, and
+    the partial last one with ``save_unfull_chunk``; whether it does."""
     import time
 
     import torch
@@ -440,7 +539,7 @@ def _wait_for_remote_puts(engine: Any, cases: list[dict[str, int]], timeout_s: f
         key
         for index, case in enumerate(cases)
         for start, end, key in engine.token_database.process_tokens(torch.arange(case["num_tokens"]) + 1000 * (index + 1))
-        if end - start == CHUNK_SIZE
+        if end - start == CHUNK_SIZE or engine.config.save_unfull_chunk
     ]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -459,6 +558,8 @@ def sharded_round_trip(
     store_blocks: list[int],
     load_blocks: list[int],
     num_blocks: int,
+    async_loading: bool = False,
+    vllm_cached_tokens: int = 0,
 ) -> dict[str, Any]:
     """One rank of a PCP group of ``world_size`` over gloo with the sharded
     store (``pcp_shard_store``): vLLM's GLM-5 dict on every rank (the whole
@@ -466,7 +567,15 @@ def sharded_round_trip(
     connector and the roles LMCache's adapter reads from vLLM's specs; every
     rank stores (each keeps the chunks it owns), the cache is cleared, and
     every rank loads through the sharded load (owners broadcast their chunks,
-    rebuilt from raw bytes and metadata) into other blocks."""
+    rebuilt from raw bytes and metadata) into other blocks, the first
+    ``vllm_cached_tokens`` (whole chunks) masked as vLLM's own prefix.
+
+    With ``async_loading`` each rank's engine answers prefetches through
+    LMCache's real LMCacheAsyncLookupServer (pin=True) and rank 0 also runs
+    the scheduler's real LMCacheAsyncLookupClient, which asks every rank's
+    server over ZMQ and takes the minimum; every rank then loads what it
+    prefetched and unpins (``wait_for_save``), and reports the (ref count,
+    pin count) of its L1 chunks after the prefetch and after the request."""
     from datetime import timedelta
 
     import torch
@@ -512,13 +621,26 @@ def sharded_round_trip(
         register(kvcaches)
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK_SIZE, local_cpu=True, max_local_cpu_size=0.2, save_unfull_chunk=False,
-        blocking_timeout_secs=5, extra_config={"pcp_shard_store": True, "save_chunk_meta": False},
+        blocking_timeout_secs=5, enable_async_loading=async_loading,
+        extra_config={"pcp_shard_store": True, "save_chunk_meta": False},
     )
+    if async_loading:
+        # Names the ZMQ sockets: one name per run (its work directory).
+        metadata.engine_id = "glm5-pcp-async-" + hashlib.blake2b(workdir.encode(), digest_size=6).hexdigest()
     engine = LMCacheEngineBuilder.get_or_create(
         f"glm5-pcp-{rank}", config, metadata, connector, collectives.broadcast, collectives.broadcast_object,
         pcp_collectives=collectives,
     )
-    engine.post_init(async_lookup_server=ResponseRecorder())
+    client = None
+    if async_loading:
+        from lmcache.v1.lookup_client.factory import LookupClientFactory
+
+        server = LookupClientFactory.create_lookup_server(engine, metadata)
+        engine.post_init(async_lookup_server=server)
+        if rank == 0:
+            client = LookupClientFactory.create_lookup_client(config, metadata)
+    else:
+        engine.post_init(async_lookup_server=ResponseRecorder())
     tokens = torch.arange(num_tokens) + 5000
     store_slots, load_slots = slots_of(store_blocks, num_tokens), slots_of(load_blocks, num_tokens)
     fill_kv(kv, seed=23)
@@ -526,13 +648,32 @@ def sharded_round_trip(
     engine.store(tokens, kvcaches=kvcaches, slot_mapping=store_slots)
     result: dict[str, Any] = {"owned_chunks": len(engine.storage_manager.local_cpu_backend.hot_cache)}
     result["owned_chunk_bytes"] = sorted({int(o.get_size()) for o in engine.storage_manager.local_cpu_backend.hot_cache.values()})
+    # The sharded load's staging buffer for a one-chunk request: one chunk.
+    result["staging_buffer_bytes"] = int(engine._pcp_shard_staging_buffer(1).numel())
     dist.barrier()
+    mask = torch.ones(num_tokens, dtype=torch.bool)
+    mask[:vllm_cached_tokens] = False
+    scheduled, load_kwargs = num_tokens, {}
+    if async_loading:
+        lookup_id = "glm5-pcp-async"
+        answer = _async_lookup(client, tokens, lookup_id) if client is not None else None
+        # The scheduler's decision reaches every worker in the connector metadata.
+        scheduled = min(num_tokens, collectives.broadcast_object(answer, 0))
+        result["lookup_answer"] = scheduled
+        # Every server has answered, so every prefetch has finished.
+        result["prefetched"] = l1_counts(engine, tokens)
+        load_kwargs["req_id"] = lookup_id
     for tensor in kv.kv_caches.values():
         tensor.fill_(0xA5)
-    ret = engine.retrieve(tokens, kvcaches=kvcaches, slot_mapping=load_slots)
+    ret = engine.retrieve(
+        tokens[:scheduled], mask[:scheduled], kvcaches=kvcaches, slot_mapping=load_slots[:scheduled], **load_kwargs
+    )
+    if async_loading:
+        engine.lookup_unpin(load_kwargs["req_id"])  # wait_for_save
+        result["after"] = l1_counts(engine, tokens)
     end = int(ret.nonzero().max()) + 1 if int(ret.sum()) else 0
     result["loaded_end"] = end
-    moved = torch.arange(end)
+    moved = torch.arange(vllm_cached_tokens, max(end, vllm_cached_tokens))
     result["mismatched_tokens"] = {
         name: int((token_bytes(t, kv.role(name), load_slots[moved])
                    != token_bytes(original[name], kv.role(name), store_slots[moved])).any(dim=1).sum())
@@ -563,3 +704,49 @@ def detected_formats(rank: int, world_size: int, workdir: str, variant: str) -> 
         name: f"{str(fmt).split('.')[-1]} {list(t.shape)}"
         for name, fmt, t in zip(kv.kv_caches, formats, normalized, strict=True)
     }
+
+
+def chunk_sizes(
+    rank: int,
+    world_size: int,
+    workdir: str,
+    variant: str,
+    num_layers: int,
+    lmcache_env: dict[str, str],
+) -> dict[str, Any]:
+    """Register vLLM's dict of ``num_layers`` decoder layers with the V3
+    connector and report the size of a full chunk as each consumer on the
+    store and load path computes it: the engine's memory objects (from the
+    metadata's shapes), the local CPU backend (``get_full_chunk_size_bytes``,
+    and the chunk budget it gives), and the remote connector's full chunk
+    and per-token sizes; with ``metadata.kv_shape`` for the record."""
+    from lmcache.utils import get_size_bytes
+    from lmcache.v1.memory_management import MemoryFormat
+
+    env = {"LMCACHE_USE_GPU_CONNECTOR_V3": "True", **lmcache_env}
+    kv, connector = start_worker(Path(workdir), variant, env, num_layers=num_layers)
+    adapter = connector._lmcache_engine
+    engine = adapter.lmcache_engine
+    result: dict[str, Any] = {"kv_shape": list(engine.metadata.kv_shape)}
+    try:
+        connector.register_kv_caches(kv.kv_caches)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result["register_error"] = _error(exc)
+        return result
+    metadata = engine.metadata
+    local = engine.storage_manager.local_cpu_backend
+    remote = engine.storage_manager.storage_backends["RemoteBackend"].connection
+    remote = getattr(remote, "_connector", remote)  # inside InstrumentedRemoteConnector
+    allocated = local.allocate(metadata.get_shapes(), metadata.get_dtypes(), MemoryFormat.KV_MLA_FMT)
+    result.update(
+        memory_object=int(allocated.get_size()),
+        metadata_shapes=get_size_bytes(metadata.get_shapes(), metadata.get_dtypes()),
+        local_cpu_full_chunk=int(local.get_full_chunk_size_bytes()),
+        local_cpu_chunk_budget=int(local.calculate_chunk_budget()),
+        local_cpu_bytes=int(local.config.max_local_cpu_size * 1024**3),
+        allocator_align=int(local.memory_allocator.align_bytes),
+        remote_full_chunk=int(remote.full_chunk_size_bytes),
+        remote_token_bytes=int(remote.single_token_size),
+    )
+    allocated.ref_count_down()
+    return result

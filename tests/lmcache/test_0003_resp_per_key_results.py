@@ -29,8 +29,12 @@ import time
 
 import pytest
 
+from tests.support.lmcache_tree import has_patch
+
 PATCH = "0003-resp-connector-honour-per-key-get-results.patch"
 TIMEOUT_PATCH = "0004-resp-connector-finish-gets-whose-caller-timed-out.patch"
+# the teardown closes the backend with close(), on a build that has this
+CLOSE_PATCH = "0018-resp-connector-close-without-waiting-on-its-own-loop.patch"
 
 pytestmark = pytest.mark.lmcache
 
@@ -122,25 +126,31 @@ class Env:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
-        # The RESP client must be closed on its loop; its native close()
-        # joins the C++ workers, which a wedged pristine client may delay.
-        # RESPConnector.close() itself is not used: it calls the executor's
-        # synchronous shutdown from the loop thread.
-        connector = self.backend.connection
-        while hasattr(connector, "getWrappedConnector"):
-            connector = connector.getWrappedConnector()
-
-        async def _close():
-            await connector.pq_executor.shutdown_async(wait=False)
-            connector.client.close()
-
-        closer = threading.Thread(
-            target=lambda: self.run(_close(), timeout), daemon=True
-        )
+        if has_patch(CLOSE_PATCH):
+            close = self.backend.close
+        else:
+            close = lambda: self.run(_close_without_the_close_patch(self.backend), timeout)  # noqa: E731
+        closer = threading.Thread(target=close, daemon=True)
         closer.start()
         closer.join(timeout)
+        # without CLOSE_PATCH a wedged native client may delay its close
+        assert not (closer.is_alive() and has_patch(CLOSE_PATCH)), (
+            f"RemoteBackend close() did not return within {timeout} s")
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout)
+
+
+async def _close_without_the_close_patch(remote) -> None:
+    """On a build without CLOSE_PATCH (pristine, and the leave-one-out variants
+    of this file's patches, which leave it out with them) RESPConnector.close()
+    runs the executor's synchronous shutdown on the loop thread and never
+    returns: close the executor and the native client (which joins its C++
+    workers) on the loop as that patch's close does."""
+    connector = remote.connection
+    while hasattr(connector, "getWrappedConnector"):
+        connector = connector.getWrappedConnector()
+    await connector.pq_executor.shutdown_async(wait=False)
+    connector.client.close()
 
 
 @pytest.fixture
@@ -409,21 +419,12 @@ def test_batch_with_a_miss_writes_the_loaded_prefix_back_to_l1(valkey):
 
 
 def close_remote_connection(remote) -> None:
-    """Close a RemoteBackend's RESP connection on its loop, as Env.close does,
-    and detach it: RESPConnector.close() runs the executor's synchronous
-    shutdown on the loop thread and never returns (so does the engine's
-    close through it); RemoteBackend.close() skips a detached connection."""
-    if remote is None or remote.connection is None:
+    """Before LMCacheEngineBuilder.destroy: on a build without CLOSE_PATCH,
+    close the RemoteBackend's RESP connection as Env.close does and detach it
+    (RemoteBackend.close() skips a detached connection), or destroy hangs."""
+    if remote is None or remote.connection is None or has_patch(CLOSE_PATCH):
         return
-    connector = remote.connection
-    while hasattr(connector, "getWrappedConnector"):
-        connector = connector.getWrappedConnector()
-
-    async def _close():
-        await connector.pq_executor.shutdown_async(wait=False)
-        connector.client.close()
-
-    asyncio.run_coroutine_threadsafe(_close(), remote.loop).result(RESULT_BOUND_S)
+    asyncio.run_coroutine_threadsafe(_close_without_the_close_patch(remote), remote.loop).result(RESULT_BOUND_S)
     remote.connection = None
 
 

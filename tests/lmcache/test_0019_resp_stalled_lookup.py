@@ -1,0 +1,183 @@
+"""Proof of 0019-resp-connector-bound-lookups-on-a-stalled-server.patch, and
+of 0004 (TIMEOUT_PATCH) for a GET against a Valkey that stops answering.
+
+A stalled Valkey accepts and buffers what it is sent but answers nothing (a
+real valkey-server stopped with SIGSTOP: a wedged or swapping host). The
+engine's synchronous lookup (``RemoteBackend.batched_contains``, and
+``contains`` on the store path) waited for the answer with no bound: the
+lookup, and the scheduler step behind it, hung until the server came back.
+With the patch a lookup gives up after ``blocking_timeout_secs`` (the bound
+RemoteBackend already puts on a GET) and counts as a miss: the request
+recomputes. A GET gives up at that bound too; the buffers C++ may still
+write into stay allocated until the server answers, then are released, and
+the connector's executor workers serve again.
+
+Real parts: a valkey-server process, LMCache's RemoteBackend over its RESP
+connector and native client, on an event loop thread. Each call runs in a
+daemon thread with a bound, so a hang fails the test instead of the run.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from tests.lmcache.test_0003_resp_per_key_results import TIMEOUT_PATCH, Env, chunk_bytes
+
+PATCH = "0019-resp-connector-bound-lookups-on-a-stalled-server.patch"
+STALL = r"did not return within [\d.]+ s of a stalled Valkey"
+
+pytestmark = pytest.mark.lmcache
+
+BLOCKING_TIMEOUT_S = 2  # an int in LMCache config
+BOUND_S = 3.0 * BLOCKING_TIMEOUT_S
+EXECUTOR_WORKERS = 4  # AsyncPQExecutor's default, RESPConnector's executor
+
+
+@pytest.fixture
+def env(valkey):
+    env = Env(valkey, BLOCKING_TIMEOUT_S)
+    yield env
+    os.kill(valkey.process.pid, signal.SIGCONT)  # if a failed test left it stopped
+    env.close()
+
+
+@contextmanager
+def stalled(valkey):
+    """valkey-server stopped: connections stay open, nothing is answered."""
+    os.kill(valkey.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(valkey.process.pid, signal.SIGCONT)
+
+
+def timed(fn, what: str):
+    """(fn(), seconds) from a daemon thread; fails if fn does not return in BOUND_S."""
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(BOUND_S)
+    if thread.is_alive():
+        pytest.fail(f"{what} did not return within {BOUND_S} s of a stalled Valkey "
+                    f"(blocking_timeout_secs={BLOCKING_TIMEOUT_S})")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"], time.monotonic() - started
+
+
+@pytest.mark.fixes(PATCH, fails_with=STALL)
+def test_sync_lookup_on_a_stalled_valkey_is_a_miss_and_recovers(env):
+    keys = [env.key(i) for i in range(3)]
+    for i in range(3):
+        env.store(i)
+    assert env.backend.batched_contains(keys) == 3
+
+    with stalled(env.valkey):
+        hits, seconds = timed(lambda: env.backend.batched_contains(keys), "the engine's lookup (batched_contains)")
+        assert hits == 0, f"a lookup nobody answered reported {hits} hits"
+        # it waited the configured bound, not less: a slow answer still counts
+        assert seconds >= BLOCKING_TIMEOUT_S - 0.1, seconds
+
+    hits, _ = timed(lambda: env.backend.batched_contains(keys), "the lookup after the server resumed")
+    assert hits == 3
+
+
+@pytest.mark.fixes(PATCH, fails_with=STALL)
+def test_contains_on_a_stalled_valkey_is_a_miss_and_recovers(env):
+    stored = env.store(0)
+    assert env.backend.contains(env.key(0)) is True
+
+    with stalled(env.valkey):
+        hit, seconds = timed(lambda: env.backend.contains(env.key(0)), "RemoteBackend.contains")
+        assert hit is False
+        assert seconds >= BLOCKING_TIMEOUT_S - 0.1, seconds
+
+    hit, _ = timed(lambda: env.backend.contains(env.key(0)), "contains after the server resumed")
+    assert hit is True
+    # the executor worker the abandoned EXISTS held serves again
+    obj, _ = timed(lambda: env.backend.get_blocking(env.key(0)), "a GET after the server resumed")
+    assert obj is not None and chunk_bytes(obj) == stored
+    obj.ref_count_down()
+    env.assert_back_at_baseline()
+
+
+@pytest.mark.fixes(TIMEOUT_PATCH, fails_with=r"a buffer leaked \(above\) or was freed twice")
+def test_gets_on_a_stalled_valkey_give_up_and_the_connector_recovers(env):
+    keys = [env.key(i) for i in range(3)]
+    stored = [env.store(i) for i in range(3)]
+
+    with stalled(env.valkey):
+        # one more batch than the connector has executor workers
+        for n in range(EXECUTOR_WORKERS + 1):
+            loaded, seconds = timed(lambda: env.backend.batched_get_blocking(keys), f"batched GET {n}")
+            assert loaded == [None, None, None]
+            assert BLOCKING_TIMEOUT_S - 0.1 <= seconds, seconds
+        # the native GETs may still write into their buffers: held, not freed
+        assert 0 < env.chunks_in_use() <= 3 * EXECUTOR_WORKERS
+
+    # once the server answers, nobody holds them any more ...
+    env.assert_back_at_baseline(timeout=10.0)
+    # ... and the connector loads again
+    loaded, _ = timed(lambda: env.backend.batched_get_blocking(keys), "the batched GET after the server resumed")
+    assert [chunk_bytes(obj) for obj in loaded] == stored
+    for obj in loaded:
+        obj.ref_count_down()
+    env.assert_back_at_baseline(timeout=2.0)
+
+
+@pytest.mark.fixes(PATCH, fails_with=STALL)
+def test_engine_lookup_on_a_stalled_valkey_is_a_miss(valkey):
+    """The lookup the scheduler asks for (LMCacheEngine.lookup, through the
+    storage manager's L1 then L2), on a pod whose L1 holds nothing."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from tests.lmcache.test_0003_resp_per_key_results import close_remote_connection
+    from tests.support.pcp_ranks import CHUNK_SIZE, make_kv_connector, mla_metadata, valkey_engine_config
+
+    config = valkey_engine_config(valkey.url)
+    config.blocking_timeout_secs = BLOCKING_TIMEOUT_S
+    instance_id = f"stalled-lookup-{id(valkey)}"
+    kv = make_kv_connector(256)
+    engine = LMCacheEngineBuilder.get_or_create(
+        instance_id, config, mla_metadata("stalled-lookup", 1, 0), kv, lambda t, src: t, lambda o, src: o
+    )
+    try:
+        engine.post_init()
+        storage = engine.storage_manager
+        l1 = storage.storage_backends["LocalCPUBackend"]
+        remote = storage.storage_backends["RemoteBackend"]
+        tokens = [(13 * i + 7) % 30011 for i in range(2 * CHUNK_SIZE)]
+        kv.fill(3, len(tokens))
+        engine.store(tokens)
+        keys = [key for _, _, key in engine.token_database.process_tokens(tokens=tokens)]
+        deadline = time.monotonic() + 10.0
+        while not all(remote.contains(key) for key in keys):
+            assert time.monotonic() < deadline, "the chunks never reached Valkey"
+            time.sleep(0.05)
+        for key in keys:
+            l1.remove(key)  # a fresh pod: nothing in L1
+        assert engine.lookup(tokens) == len(tokens)
+
+        with stalled(valkey):
+            hit_tokens, _ = timed(lambda: engine.lookup(tokens), "LMCacheEngine.lookup")
+            assert hit_tokens == 0, f"a lookup nobody answered reported {hit_tokens} tokens"
+
+        hit_tokens, _ = timed(lambda: engine.lookup(tokens), "the engine's lookup after the server resumed")
+        assert hit_tokens == len(tokens)
+    finally:
+        os.kill(valkey.process.pid, signal.SIGCONT)
+        if engine.storage_manager is not None:
+            close_remote_connection(engine.storage_manager.storage_backends.get("RemoteBackend"))
+        LMCacheEngineBuilder.destroy(instance_id)

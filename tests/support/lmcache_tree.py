@@ -1,0 +1,39 @@
+"""Which LMCache patches the build under test has (``DIST_LMCACHE_TREE``).
+
+``patched`` has the whole series, ``pristine`` none of it, and
+``without:<patch>`` (the leave-one-out phase) lacks that patch and the later
+ones the series' ``# leave-out:`` lines leave out with it
+(build/distbuild/leaveout.py). A test's own setup or teardown may need a fix
+the build lacks (a close that hangs without 0018): it asks here instead of
+working around the fix on every tree.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERIES = ROOT / "patches" / "lmcache" / "series"
+
+
+def _declared_dependents() -> dict[str, tuple[set[str], str]]:
+    build = str(ROOT / "build")
+    if build not in sys.path:
+        sys.path.insert(0, build)
+    from distbuild.leaveout import declared_dependents
+
+    return declared_dependents(SERIES)
+
+
+def has_patch(patch: str) -> bool:
+    """Whether the LMCache build under test applies ``patch``."""
+    tree = os.environ.get("DIST_LMCACHE_TREE", "patched")
+    if tree == "patched":
+        return True
+    if tree == "pristine":
+        return False
+    left_out = tree.removeprefix("without:")
+    if patch == left_out:
+        return False
+    return patch not in _declared_dependents().get(left_out, (set(), ""))[0]
