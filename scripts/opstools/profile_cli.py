@@ -31,6 +31,7 @@ from .profiling import (
     SERVE_ENVIRONMENT,
     DumpResult,
     build_nsys_command,
+    default_pyspy,
     dump_stacks,
     find_engine_processes,
     post_profile_endpoint,
@@ -110,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     win.add_argument("--pyspy", action="store_true",
                      help="py-spy dump of the engine in the middle of the window (1 s after --run starts)")
     win.add_argument("--root-pid", type=positive_int, help="for --pyspy: dump this process tree")
-    win.add_argument("--py-spy", dest="pyspy_path", default="py-spy", help="the py-spy executable")
+    win.add_argument("--py-spy", dest="pyspy_path", default=default_pyspy(),
+                     help="the py-spy executable (default: the one beside this Python, else PATH's)")
     win.add_argument("--endpoint-timeout", type=positive_float, default=300.0, metavar="S",
                      help="how long start/stop_profile may take (the engine flushes on stop)")
     win.add_argument("--out", type=Path, help="output folder (default: work/ops/profile-capture-<UTC time>/)")
@@ -121,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     spy.add_argument("--title-prefix", default="VLLM::", help="process title prefix (VLLM_PROCESS_NAME_PREFIX)")
     spy.add_argument("--native", action="store_true", help="include native (C/C++) frames")
     spy.add_argument("--locals", action="store_true", help="include local variables")
-    spy.add_argument("--py-spy", dest="pyspy_path", default="py-spy", help="the py-spy executable")
+    spy.add_argument("--py-spy", dest="pyspy_path", default=default_pyspy(),
+                     help="the py-spy executable (default: the one beside this Python, else PATH's)")
     spy.add_argument("--out", type=Path, help="output folder (default: work/ops/profile-capture-<UTC time>/)")
     return parser
 

@@ -25,6 +25,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -242,6 +243,13 @@ def find_engine_processes(
         (p for p in processes.values() if p.pid != own and is_engine_process(p, title_prefix)),
         key=lambda p: p.pid,
     )
+
+
+def default_pyspy() -> str:
+    """py-spy beside this interpreter (pip puts it in the venv's bin, which is on PATH only
+    in an activated venv), else ``py-spy`` from PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.is_file() else "py-spy"
 
 
 def pyspy_command(pid: int, pyspy: str = "py-spy", native: bool = False, show_locals: bool = False) -> list[str]:

@@ -61,10 +61,12 @@ class Engines:
         self.workdir = workdir
         self.running: list[engine_support.EngineServer] = []
 
-    def start(self, spec: engine_support.EngineSpec, port: int | None = None) -> engine_support.EngineServer:
+    def start(self, spec: engine_support.EngineSpec, port: int | None = None,
+              startup_timeout_s: float = engine_support.STARTUP_TIMEOUT_S) -> engine_support.EngineServer:
         started = time.monotonic()
         try:
-            server = engine_support.start_engine(self.python, spec, self.workdir, port=port)
+            server = engine_support.start_engine(self.python, spec, self.workdir, port=port,
+                                                 startup_timeout_s=startup_timeout_s)
         except BaseException:
             TIMINGS["starts"].append((f"{spec.label} (failed)", time.monotonic() - started))
             raise
@@ -95,7 +97,7 @@ def engines(engine_python, tmp_path) -> Engines:
 
 @pytest.fixture(scope="session")
 def shared_prefill(engine_python, char_model, tmp_path_factory):
-    """The prefill engine of the L2-loss scenarios and the operator tools (tests/engine/shared.py)."""
+    """The prefill engine of the protocol, the L2-loss scenarios and the operator tools (shared.py)."""
     from tests.engine.shared import SharedPrefill
 
     workdir = tmp_path_factory.mktemp("shared-prefill")

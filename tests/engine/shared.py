@@ -1,18 +1,18 @@
-"""The prefill engine that the L2-loss scenarios and the operator tools share.
+"""The prefill engine that the correctness protocol, the L2-loss scenarios and the operator
+tools (profile-capture included) share.
 
 configs/prefill on the CPU overlay, plus what these scenarios need on top:
 
 * the tiny checkpoint with a character-level tokenizer (char_model.py): the
   tools write English text; the id prompts of the L2 scenarios do not care;
-* ``--enable-prompt-tokens-details``: the server's ``cached_tokens`` is
-  evidence for the tools;
+* ``--enable-prompt-tokens-details`` (the preset's own): the server's
+  ``cached_tokens`` is evidence for the tools;
 * LMCache's ``remote_url`` pointing at ``resp_hook.ExistsHookProxy`` in front
   of one real Valkey (rank 0's: at TP 1 the preset's ``{rank}`` template names
   that one instance; a concrete URL because the ``{rank}`` template is patch
   0006 and the pristine build must reach the same Valkey in the proofs);
-* a fixed port, so a restart (needle's l2 phase) keeps the URL, and its own
-  NIXL side-channel port (the preset's NIXL child listens on vLLM's default
-  5600 otherwise, which another engine of the run may hold).
+* a fixed port, so a restart (needle's l2 phase) keeps the URL (its NIXL
+  side-channel port, like every engine's, is the harness's: engine_env).
 
 Who changes its state restores it: the L2 cases leave Valkey holding what
 they stored, the Valkey-killed case brings a new Valkey (and proxy) up on the
@@ -20,29 +20,12 @@ same ports and checks that LMCache uses it again.
 """
 from __future__ import annotations
 
-import random
-import socket
 from pathlib import Path
 
 from tests.engine.resp_hook import ExistsHookProxy
 from tests.support import cpu_overlay
-from tests.support.engine import EngineError, EngineServer, clear_l1, free_port_block
+from tests.support.engine import EngineError, EngineServer, clear_l1, free_port_block, stable_port
 from tests.support.valkey import ValkeyServer, start_valkey
-
-
-def stable_port() -> int:
-    """A free loopback port below Linux's ephemeral range (32768-60999), which no
-    outgoing connection is given meanwhile: for a port bound again after a
-    restart, or bound by the engine well after it was chosen."""
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise EngineError("no free loopback port found in 20000-32000")
 
 
 class SharedPrefill:
@@ -56,10 +39,9 @@ class SharedPrefill:
         self.spec = cpu_overlay.cpu_spec("prefill", model, free_port_block(1), label="prefill-shared",
                                          api_port=self.api_port)
         self.spec.lmcache_config["remote_url"] = self.proxy.url
-        self.spec.vllm_config["enable-prompt-tokens-details"] = True
-        # The prefill preset's NIXL child listens on vLLM's default side-channel port;
-        # another engine of the run must not find it taken.
-        self.spec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(stable_port())
+        if self.spec.vllm_config.get("enable-prompt-tokens-details") is not True:
+            raise EngineError("configs/prefill/vllm.yaml: enable-prompt-tokens-details is not true; the "
+                              "tools' cached_tokens evidence needs it")
         self.lookup_timeout_s = self.spec.lmcache_config["lookup_timeout_ms"] / 1000
         try:
             self.server: EngineServer = engines.start(self.spec, port=self.port)

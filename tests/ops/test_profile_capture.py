@@ -178,3 +178,13 @@ def test_py_spy_dumps_every_process_of_a_real_tree(tmp_path):
         text = result.path.read_text()
         assert f"pid {result.process.pid}" in text
         assert "time.sleep" in text or "<module>" in text
+
+
+def test_py_spy_defaults_to_the_one_beside_the_interpreter(tmp_path, monkeypatch):
+    from opstools.profiling import default_pyspy
+
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))
+    assert default_pyspy() == "py-spy"   # none there: PATH's
+    (tmp_path / "bin" / "py-spy").write_text("")
+    assert default_pyspy() == str(tmp_path / "bin" / "py-spy")

@@ -104,6 +104,7 @@ VLLM_RULES: dict[str, Callable[[Any], Any] | None] = {
     "attention-backend": lambda v: "CPU_MLA",
     "kv-transfer-config": _kv_transfer_on_cpu,
     "profiler-config": lambda v: DROP,
+    "enable-prompt-tokens-details": None,
 }
 
 # What the test adds: the tiny checkpoint's dtype and length; eager mode

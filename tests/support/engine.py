@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -35,6 +37,11 @@ import yaml
 from tests.support.valkey import ValkeyServer, free_loopback_port
 
 ENGINE_PYTHON_ENV = "DIST_ENGINE_PYTHON"
+# vLLM 0.31.0's NIXL handshake listener binds VLLM_NIXL_SIDE_CHANNEL_PORT (default
+# 5600) plus the engine's data-parallel index, in the engine core
+# (nixl/base_scheduler.py); no kv_connector_extra_config key moves it.
+NIXL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+STARTUP_TIMEOUT_S = 240.0   # one engine start (~25-40 s on two idle cores)
 SUPPORT = Path(__file__).resolve().parent
 PLUGIN_PACKAGE = "dist_cpu_connector"
 PLUGIN_LINE = "dist CPU connector: stand-in for LMCache's GPU copy"
@@ -118,6 +125,7 @@ class EngineServer:
     port: int
     log_path: Path
     startup_s: float = 0.0
+    nixl_port: int | None = None        # VLLM_NIXL_SIDE_CHANNEL_PORT the engine was given
 
     @property
     def url(self) -> str:
@@ -233,19 +241,11 @@ def _ready(url: str) -> bool:
         return False
 
 
-def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_s: float = 240.0,
-                 port: int | None = None) -> EngineServer:
-    """Start the OpenAI server on a free loopback port (or ``port``: a restart behind the
-    same URL); return once /health answers.
-
-    The engine gets its own process group (killed whole by ``stop``). A start
-    that exits, or does not answer within ``startup_timeout_s``, raises with
-    the log's tail; so does LMCache in degraded mode.
-    """
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = port or free_loopback_port()
-    config = workdir / f"{spec.label}-vllm.yaml"
-    config.write_text(yaml.safe_dump(spec.vllm_config, sort_keys=False))
+def engine_env(spec: EngineSpec, workdir: Path) -> dict[str, str]:
+    """The engine's environment: this one less VLLM_/LMCACHE_/PYTEST_ variables, the
+    plugin on PYTHONPATH, LMCache's file, ``spec.env``, and a NIXL side-channel port
+    of its own unless ``spec.env`` names one: two engines with a NIXL connector on one
+    machine (two tests, or two test runs) would otherwise both bind 5600."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "LMCACHE_", "PYTEST_"))}
     site = str(plugin_site(workdir / "plugin-site")) if spec.cpu_connector else None
     # PYTHONPATH may already select an LMCache build (the pristine one, a
@@ -258,7 +258,48 @@ def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_
         lmcache_file = workdir / f"{spec.label}-lmcache.yaml"
         lmcache_file.write_text(yaml.safe_dump(spec.lmcache_config, sort_keys=False))
         env["LMCACHE_CONFIG_FILE"] = str(lmcache_file)
+    if NIXL_PORT_ENV not in spec.env:
+        # one port per data-parallel engine (the listener adds the DP index)
+        env[NIXL_PORT_ENV] = str(stable_port(int(spec.vllm_config.get("data-parallel-size", 1))))
     env.update(spec.env)
+    return env
+
+
+def stable_port(count: int = 1) -> int:
+    """A free loopback port P (P .. P + count - 1 all free) below Linux's ephemeral
+    range (32768-60999), which no outgoing connection is given meanwhile: for a port
+    bound again after a restart, or bound by the engine well after it was chosen."""
+    for _ in range(200):
+        base = random.randrange(20000, 32000 - count)
+        sockets = []
+        try:
+            for candidate in range(base, base + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", candidate))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise EngineError(f"no {count} free loopback port(s) found in 20000-32000")
+
+
+def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 port: int | None = None) -> EngineServer:
+    """Start the OpenAI server on a free loopback port (or ``port``: a restart behind the
+    same URL); return once /health answers.
+
+    The engine gets its own process group (killed whole by ``stop``). A start
+    that exits, or does not answer within ``startup_timeout_s``, raises with
+    the log's tail; so does LMCache in degraded mode.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_loopback_port()
+    config = workdir / f"{spec.label}-vllm.yaml"
+    config.write_text(yaml.safe_dump(spec.vllm_config, sort_keys=False))
+    env = engine_env(spec, workdir)
     log_path = workdir / f"{spec.label}-{port}.log"
     args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.model),
             "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
@@ -268,7 +309,7 @@ def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_
         log.flush()
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                    env=env, cwd=workdir, start_new_session=True)
-    server = EngineServer(spec, process, port, log_path)
+    server = EngineServer(spec, process, port, log_path, nixl_port=int(env[NIXL_PORT_ENV]))
     try:
         while not _ready(server.url):
             if process.poll() is not None:
@@ -289,8 +330,6 @@ def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_
 
 def free_port_block(count: int, step: int = 10) -> int:
     """A loopback port B (a multiple of ``step``) with B .. B + count - 1 all free."""
-    import socket
-
     for _ in range(200):
         base = free_loopback_port() // step * step
         if base < 1024 or base + count > 65535:
