@@ -36,6 +36,10 @@ ARG NIXL_VERSION=1.5.1
 ARG TORCH_CUDA_ARCH_LIST=10.3a
 ARG FLASHINFER_CUDA_ARCH_LIST=10.3a
 ARG MAX_JOBS=2
+# Reproducibility (README, "Same inputs, same image"): `make image` passes the commit time of
+# the last change to the build inputs; wheels are zipped with it, apt/useradd stamp with it,
+# and the engine clamps every file's mtime to it (podman/buildah --timestamp).
+ARG SOURCE_DATE_EPOCH=0
 
 ######################## base: the pinned Python, checked ########################
 FROM ${BASE_IMAGE} AS base
@@ -44,6 +48,10 @@ ARG PYTHON_VERSION
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive
 COPY build/with-build-ca /usr/local/bin/with-build-ca
+# Debian packages at the versions and .deb sha256 of build/lock/debian.txt (`make lock-debian`):
+# each stage installs its section with aptpin (which checks every .deb and the installed set).
+COPY build/lock/debian.txt /opt/glm53/lock/debian.txt
+COPY scripts/imagectl/aptpin.py /usr/local/lib/glm53/aptpin.py
 # A slim public base has no python3: install Debian's (bookworm: 3.11); the
 # debootstrap base already carries it. Then refuse any other Python.
 # hadolint ignore=DL3008
@@ -63,16 +71,18 @@ RUN if ! command -v python3 >/dev/null; then \
 # python3-dev: LMCache's C++/CUDA extensions include Python.h.
 FROM base AS build-base
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-# hadolint ignore=DL3008
-RUN apt-get update -qq \
-    && apt-get install -y -qq --no-install-recommends git g++ make python3-dev ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
-RUN python3 -m venv /opt/venv
+ARG SOURCE_DATE_EPOCH
+# git, g++, make, python3-dev (build/lock/debian.txt [build-base]).
+RUN python3 /usr/local/lib/glm53/aptpin.py install --lock /opt/glm53/lock/debian.txt --stage build-base
+# The build stages write no bytecode into their layers (a .pyc records its source's mtime).
+RUN python3 -m venv /opt/venv && find /opt/venv -name __pycache__ -prune -exec rm -rf {} +
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONPATH=/src/build \
     DIST_CACHE_DIR=/var/cache/dist \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_NO_INPUT=1
+    PIP_NO_INPUT=1 \
+    PIP_NO_COMPILE=1 \
+    PYTHONDONTWRITEBYTECODE=1
 # Only the build tool and the pins: editing anything else under build/ or
 # scripts/ must not rebuild the compile stages.
 COPY build/distbuild/ /src/build/distbuild/
@@ -85,8 +95,11 @@ ARG PYTHON_VERSION
 ARG CUDA_VERSION
 # `distbuild toolchain` fetches the pinned nvcc/cccl/crt/nvvm/cudart wheels by
 # sha256 and checks that nvcc says release 13.0.
+# The toolchain venv's own pip is installed by ensurepip, which writes timestamped .pyc (a
+# build's mtimes): removed (make image-repro found them: the only difference in this stage).
 RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
-    with-build-ca python -m distbuild --work /work toolchain
+    with-build-ca python -m distbuild --work /work toolchain \
+    && find /work/toolchain -name __pycache__ -prune -exec rm -rf {} +
 # The wheels put the toolkit under nvidia/cu13 with lib/ (CMake and torch look
 # for lib64/) and only versioned libcudart: give the usual names.
 RUN ln -s "/work/toolchain/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13" /opt/cuda \
@@ -95,6 +108,11 @@ RUN ln -s "/work/toolchain/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13
     && if ! /opt/cuda/bin/nvcc --version | grep -q "release ${CUDA_VERSION}"; then \
          echo "toolchain: /opt/cuda/bin/nvcc is not CUDA ${CUDA_VERSION}" >&2; exit 1; \
        fi
+# FlashInfer's JIT links every module with -L$cuda_home/lib64/stubs -lcuda; the wheels carry
+# no libcuda stub (the driver brings libcuda.so.1 on the node), so make the toolkit's kind:
+# every driver entry point of this cuda.h, SONAME libcuda.so.1, at lib64/stubs only.
+COPY scripts/imagectl/__init__.py scripts/imagectl/cudastub.py /src/scripts/imagectl/
+RUN PYTHONPATH=/src/scripts python -m imagectl.cudastub --cuda-h /opt/cuda/include/cuda.h --out /opt/cuda/lib/stubs/libcuda.so
 ENV CUDA_HOME=/opt/cuda PATH=/opt/cuda/bin:$PATH
 
 ######################## sources: fetch by hash, apply the series ########################
@@ -105,11 +123,13 @@ COPY scripts/imagectl/__init__.py scripts/imagectl/treemap.py /src/scripts/image
 # The project's own steps (build/distbuild): sdists by sha256, pristine commit,
 # `git am` of each patch with exact context; a patch that does not apply stops
 # here naming the patch and hunk. Then a file map of each tree, which the
-# runtime self-test compares with what is installed.
+# runtime self-test compares with what is installed. git's index records each file's
+# ctime and inode (different per build); the trees' commits are what later stages read.
 RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
     with-build-ca python -m distbuild --work /work patched \
     && PYTHONPATH=/src/scripts python -m imagectl.treemap /work/src /work/trees \
-    && cp /work/manifest.json /work/trees/manifest.json
+    && cp /work/manifest.json /work/trees/manifest.json \
+    && rm -f /work/src/*/.git/index
 
 ######################## build-env: torch + build needs ########################
 FROM toolchain AS build-env
@@ -129,6 +149,7 @@ ARG PYTHON_VERSION
 ARG LMCACHE_VERSION
 ARG TORCH_CUDA_ARCH_LIST
 ARG MAX_JOBS
+ARG SOURCE_DATE_EPOCH
 # cuBLAS headers of CUDA 13.0, the toolchain's release (build/lock/cuda-headers.txt says why).
 COPY build/lock/cuda-headers.txt /src/build/lock/cuda-headers.txt
 # hadolint ignore=DL3042
@@ -159,6 +180,7 @@ FROM build-env AS flashinfer-wheel
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG FLASHINFER_CUDA_ARCH_LIST
 ARG MAX_JOBS
+ARG SOURCE_DATE_EPOCH
 COPY --from=sources /work/src/flashinfer /build/flashinfer
 WORKDIR /build/flashinfer
 # FLASHINFER_BUILD_NO_PIP: the env is provisioned, its hooks must not install;
@@ -207,16 +229,31 @@ ARG BASE_IMAGE
 # libfabric's FABRIC_1.10 ABI, which no Debian release has (trixie's 2.1.0 stops
 # at FABRIC_1.8): EFA nodes mount theirs (configs/deploy nixl_host_libfabric). The
 # plugin also links libhwloc.so.15 (libhwloc15), which the node's libfabric does not bring.
-# hadolint ignore=DL3008
-RUN apt-get update -qq \
-    && apt-get install -y -qq --no-install-recommends gcc g++ libc6-dev python3-dev libfabric1 libhwloc15 libnuma1 ca-certificates tini \
-    && rm -rf /var/lib/apt/lists/*
-RUN python3 -m venv /opt/venv
+# gcc g++ libc6-dev python3-dev libfabric1 libhwloc15 libnuma1 ca-certificates tini (build/lock/debian.txt [runtime]).
+ARG SOURCE_DATE_EPOCH
+RUN python3 /usr/local/lib/glm53/aptpin.py install --lock /opt/glm53/lock/debian.txt --stage runtime
+# The venv's own pip: its timestamped .pyc replaced by unchecked-hash ones (PYTHONHASHSEED=0).
+RUN python3 -m venv /opt/venv && find /opt/venv -name __pycache__ -prune -exec rm -rf {} + \
+    && PYTHONHASHSEED=0 /opt/venv/bin/python -m compileall -q --invalidation-mode unchecked-hash /opt/venv/lib
 ENV PATH=/opt/venv/bin:$PATH PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 COPY build/lock/image.txt /opt/glm53/lock/image.txt
+# The closure in layers a registry pulls in parallel and a lock bump re-pulls only in part
+# (imagectl/layers.py): NVIDIA libraries, torch, the rest, then vLLM with our wheels (below).
+# pip --no-compile, then unchecked-hash .pyc of each layer's own files: the same bytes per build.
+COPY scripts/imagectl/__init__.py scripts/imagectl/layers.py /opt/glm53/build/imagectl/
+RUN python3 /opt/glm53/build/imagectl/layers.py split /opt/glm53/lock/image.txt /opt/glm53/lock/layers
 # hadolint ignore=DL3042
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=build-ca \
-    with-build-ca pip install --require-hashes --no-deps --progress-bar off -r /opt/glm53/lock/image.txt
+    with-build-ca pip install --require-hashes --no-deps --no-compile --progress-bar off -r /opt/glm53/lock/layers/nvidia.txt \
+    && PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/opt/glm53/build python -m imagectl.layers compile --requirements /opt/glm53/lock/layers/nvidia.txt
+# hadolint ignore=DL3042
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=build-ca \
+    with-build-ca pip install --require-hashes --no-deps --no-compile --progress-bar off -r /opt/glm53/lock/layers/torch.txt \
+    && PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/opt/glm53/build python -m imagectl.layers compile --requirements /opt/glm53/lock/layers/torch.txt
+# hadolint ignore=DL3042
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=build-ca \
+    with-build-ca pip install --require-hashes --no-deps --no-compile --progress-bar off -r /opt/glm53/lock/layers/rest.txt \
+    && PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/opt/glm53/build python -m imagectl.layers compile --requirements /opt/glm53/lock/layers/rest.txt
 # The JIT toolchain (FlashInfer, DeepGEMM, Triton): the lock installs the toolchain
 # stage's own compiler wheels (nvcc, ptxas, crt, nvvm, CCCL, cuobjdump: the same files
 # and sha256 as build/pins.toml, build/distbuild/lock.py JIT_TOOLCHAIN) into
@@ -233,9 +270,10 @@ RUN cu13="/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13" \
     && for tool in ptxas cuobjdump fatbinary nvlink; do \
          [ -x "/opt/cuda/bin/${tool}" ] || { echo "runtime: /opt/cuda/bin/${tool} missing (JIT needs it)" >&2; exit 1; }; \
        done
+# The toolchain stage's link-time libcuda stub (imagectl/cudastub.py): FlashInfer's JIT links -lcuda.
+COPY --from=toolchain /work/toolchain/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13/lib/stubs/libcuda.so \
+     /opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13/lib/stubs/libcuda.so
 ENV CUDA_HOME=/opt/cuda PATH=/opt/cuda/bin:$PATH
-COPY --from=lmcache-wheel /out/ /tmp/wheels/lmcache/
-COPY --from=flashinfer-wheel /out/*.whl /out/SHA256SUMS /tmp/wheels/flashinfer/
 # Our own wheels, checked against the sums their stage wrote, then pip check
 # over the whole closure. Only the sums stay in the image (manifest, SBOM).
 # pip check may name unmet requirements only on what the lock leaves out on
@@ -243,11 +281,21 @@ COPY --from=flashinfer-wheel /out/*.whl /out/SHA256SUMS /tmp/wheels/flashinfer/
 # build/distbuild/lock.py IMAGE_NOT_INSTALLED: nixl's meta package, which vLLM
 # imports as nixl._api, requires nixl-cu12 as well; the image is CUDA 13). The
 # self-test accepts the same, read from the same lock.
+# The last layer: vLLM (and the kernels only it pulls in) with our LMCache and FlashInfer wheels.
+# (Not a bind mount from their stages: buildah 1.28 runs such a RUN before the stage it mounts
+# has finished, measured here: "sed: can't read lmcache/SHA256SUMS".)
+COPY --from=lmcache-wheel /out/ /tmp/wheels/lmcache/
+COPY --from=flashinfer-wheel /out/*.whl /out/SHA256SUMS /tmp/wheels/flashinfer/
 WORKDIR /tmp/wheels
-RUN sed 's|  \./|  lmcache/|' lmcache/SHA256SUMS > all.sums \
-    && sed 's|  \./|  flashinfer/|' flashinfer/SHA256SUMS >> all.sums \
-    && sha256sum -c all.sums \
-    && pip install --no-cache-dir --no-deps --progress-bar off lmcache/*.whl flashinfer/*.whl \
+# hadolint ignore=DL3042
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=build-ca \
+    sed 's|  \./|  lmcache/|' lmcache/SHA256SUMS > /tmp/all.sums \
+    && sed 's|  \./|  flashinfer/|' flashinfer/SHA256SUMS >> /tmp/all.sums \
+    && sha256sum -c /tmp/all.sums \
+    && with-build-ca pip install --require-hashes --no-deps --no-compile --progress-bar off -r /opt/glm53/lock/layers/vllm.txt \
+    && pip install --no-cache-dir --no-deps --no-compile --progress-bar off lmcache/*.whl flashinfer/*.whl \
+    && PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/opt/glm53/build python -m imagectl.layers compile \
+         --requirements /opt/glm53/lock/layers/vllm.txt lmcache flashinfer-python \
     && { checked="$(pip check 2>&1)" || true; \
          unmet="$(printf '%s\n' "$checked" | grep -vx 'No broken requirements found.' || true)"; \
          sed -n 's/^# left out (not installed: .*): \(.*\)$/^[^ ]+ [^ ]+ requires \1, which is not installed\\.$/p' \
@@ -255,7 +303,8 @@ RUN sed 's|  \./|  lmcache/|' lmcache/SHA256SUMS > all.sums \
          unmet="$(printf '%s\n' "$unmet" | grep -vE -f /tmp/accepted-unmet || true)"; rm -f /tmp/accepted-unmet; \
          if [ -n "$unmet" ]; then echo "runtime: pip check: $unmet" >&2; exit 1; fi; } \
     && mkdir -p /opt/glm53/wheels && cat lmcache/SHA256SUMS flashinfer/SHA256SUMS > /opt/glm53/wheels/SHA256SUMS \
-    && rm -rf /tmp/wheels
+    && rm -rf /tmp/all.sums /tmp/wheels
+WORKDIR /
 COPY --from=flashinfer-wheel /out/aot/ /opt/venv/lib/python${PYTHON_VERSION}/site-packages/flashinfer/data/aot/
 # FlashInfer's artifact set, verified in the flashinfer-wheel stage (empty without one);
 # `make image` passes FLASHINFER_CUBIN_DIR=/opt/flashinfer/cubins only when the set is
@@ -273,10 +322,10 @@ COPY configs/ /etc/glm53/
 COPY scripts/ /opt/glm53/scripts/
 # manifest.json (inputs, patches, tree hashes + the wheels and AOT status of
 # this image) and the CycloneDX SBOM of every installed Python package.
-RUN PYTHONPATH=/opt/glm53/scripts python -m imagectl.finalize \
+RUN PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/opt/glm53/scripts python -m imagectl.finalize \
       --trees /opt/glm53/trees --wheels /opt/glm53/wheels --aot /opt/glm53/flashinfer-aot.json \
       --manifest /opt/glm53/manifest.json --sbom /opt/glm53/sbom.cdx.json \
-    && rm -rf /opt/glm53/scripts/__pycache__ \
+    && find /opt/glm53 -name __pycache__ -prune -exec rm -rf {} + \
     && useradd --create-home --uid 1000 --gid 0 --shell /bin/bash serve \
     && mkdir -p /cache \
     && chown -R 1000:0 /cache /home/serve \
@@ -303,12 +352,20 @@ ARG FLASHINFER_AOT=unknown
 ARG IMAGE_VERSION=dev
 ARG IMAGE_REVISION=unknown
 ARG IMAGE_CREATED=unknown
+ARG IMAGE_SOURCE=unknown
+ARG BASE_NAME=unknown
+ARG BASE_DIGEST=unknown
+# nvidia-container-toolkit refuses to start the container on a driver older than CUDA 13.0, saying so.
+ENV NVIDIA_REQUIRE_CUDA="cuda>=${CUDA_VERSION}"
 LABEL org.opencontainers.image.title="glm53-b300-serving" \
       org.opencontainers.image.description="vLLM ${VLLM_VERSION} + patched LMCache ${LMCACHE_VERSION} + patched FlashInfer ${FLASHINFER_VERSION} for GLM-5.3 FP8 on NVIDIA B300 (sm_103a)" \
       org.opencontainers.image.version="${IMAGE_VERSION}" \
       org.opencontainers.image.revision="${IMAGE_REVISION}" \
       org.opencontainers.image.created="${IMAGE_CREATED}" \
-      org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      org.opencontainers.image.source="${IMAGE_SOURCE}" \
+      org.opencontainers.image.base.name="${BASE_NAME}" \
+      org.opencontainers.image.base.digest="${BASE_DIGEST}" \
+      io.glm53.nvidia-require-cuda="cuda>=${CUDA_VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       io.glm53.python="${PYTHON_VERSION}" \
       io.glm53.cuda="${CUDA_VERSION}" \

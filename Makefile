@@ -6,7 +6,7 @@ WORK ?= $(CURDIR)/work
 DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
 FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
 
-.PHONY: help image image-check lock test sources fetch flashinfer-artifacts patched export health manifest lint pin audit clean
+.PHONY: help image image-check image-repro lock-debian lock test sources fetch flashinfer-artifacts patched export health manifest lint pin audit clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -17,9 +17,15 @@ STRICT_FLAG := $(if $(filter 1 yes true,$(STRICT)),--strict,)
 image: ## build the serving image, run its self-test and the sm_103 audit [ENGINE=docker|podman|buildah] [IMAGE_TAG=..] [BASE_IMAGE=..] [STAGE=..] [STRICT=1: fail without FlashInfer AOT]
 	$(DIST) image --tag $(IMAGE_TAG) $(if $(ENGINE),--engine $(ENGINE)) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(STAGE),--target $(STAGE)) $(STRICT_FLAG)
 
+image-repro: ## build the image twice on clean storage, compare every stage's digest, list differing files per layer [STAGE=..]
+	$(DIST) image --repro --tag $(IMAGE_TAG) $(if $(ENGINE),--engine $(ENGINE)) $(if $(STAGE),--target $(STAGE))
+
+lock-debian: ## re-resolve build/lock/debian.txt (exact versions + .deb sha256 of every stage) from the live Debian suites
+	$(DIST) image --lock-debian $(if $(ENGINE),--engine $(ENGINE))
+
 image-check: ## run the built image: self-test, presets, deployment, the operator tools against real Valkey and a streaming server [IMAGE_TAG=..]
 	@test -x $(WORK)/venv/bin/python || { echo "make image-check: needs the test environment ($(WORK)/venv): run make test once" >&2; exit 2; }
-	DIST_RUNTIME_IMAGE=$(IMAGE_TAG) $(WORK)/venv/bin/python -m pytest -p no:cacheprovider -v tests/image/test_runtime_image.py
+	DIST_RUNTIME_IMAGE=$(IMAGE_TAG) DIST_HELM=$(WORK)/tools/bin/helm $(WORK)/venv/bin/python -m pytest -p no:cacheprovider -v tests/image/test_runtime_image.py
 
 lock: ## resolve the image's Python dependency closure by sha256 into build/lock/*.txt
 	$(DIST) lock

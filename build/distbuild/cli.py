@@ -301,6 +301,12 @@ def cmd_flashinfer_artifacts(args: argparse.Namespace, layout: Layout) -> int:
 def cmd_image(args: argparse.Namespace, layout: Layout) -> int:
     from . import image as image_step
 
+    if args.lock_debian:
+        return image_step.lock_debian(layout, image_step.Options.from_args(args))
+    if args.repro:
+        from . import repro
+
+        return repro.run(layout, image_step.Options.from_args(args))
     return image_step.run(layout, image_step.Options.from_args(args))
 
 
@@ -391,6 +397,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--audit-target", default="sm_103")
     s.add_argument("--strict", action="store_true", help="a release: fail unless FlashInfer's modules are compiled "
                    "ahead of time from a complete artifact set")
+    s.add_argument("--no-layer-sizes", action="store_true", help="skip the gzip layer table (minutes)")
+    s.add_argument("--repro", action="store_true", help="build twice on clean storage and compare every stage's digest")
+    s.add_argument("--lock-debian", action="store_true", help="re-resolve build/lock/debian.txt against the live suites")
     s.set_defaults(func=cmd_image)
 
     s = sub.add_parser("pristine-tree", help="write the pristine tree of an upstream into DEST")

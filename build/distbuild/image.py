@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
@@ -39,6 +40,13 @@ from .pins import load as load_pins, normalize_name
 
 STAGES = ("base", "build-base", "toolchain", "sources", "build-env", "lmcache-wheel", "flashinfer-wheel", "runtime")
 STAGE_TAG = "localhost/glm53-stage:{stage}"
+# SOURCE_DATE_EPOCH of the stages: the commit time of the last change to what they read. Only
+# these paths: a change to configs/ or the operator tools rebuilds the runtime's tail, not the
+# compile stages (a new epoch would). The runtime's labels carry HEAD's commit time.
+BUILD_INPUTS = ("Dockerfile", ".dockerignore", "build", "patches", "scripts/imagectl/__init__.py",
+                "scripts/imagectl/aptpin.py", "scripts/imagectl/cudastub.py", "scripts/imagectl/treemap.py",
+                "scripts/imagectl/flashinfer_aot.py", "scripts/imagectl/layers.py")
+BASE_INPUTS = ("build/lock/debian.txt", "build/distbuild/baseimage.py", "scripts/imagectl/aptpin.py")
 ERROR_HINTS = re.compile(r"(error|Error|ERROR|failed|FAILED|does not apply|not found|No such file)")
 
 
@@ -53,13 +61,15 @@ class Options:
     audit_target: str = "sm_103"
     max_jobs: int = 2
     strict: bool = False   # a release: fail unless FlashInfer's modules are compiled ahead of time
+    layers: bool = True    # compress each layer (gzip, as a registry push would) for the layer table
     extra_args: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Options":
         return cls(engine=args.engine, tag=args.tag, target=args.target, base_image=args.base_image,
                    selftest=not args.no_selftest, audit=not args.no_audit, audit_target=args.audit_target,
-                   max_jobs=int(os.environ.get("MAX_JOBS", "2")), strict=getattr(args, "strict", False))
+                   max_jobs=int(os.environ.get("MAX_JOBS", "2")), strict=getattr(args, "strict", False),
+                   layers=not getattr(args, "no_layer_sizes", False))
 
 
 def stages_until(target: str) -> list[str]:
@@ -157,8 +167,9 @@ class Builder:
 
     def build_stage(self, stage: str, args: dict[str, str], tag: str | None = None) -> str:
         tag = tag or STAGE_TAG.format(stage=stage)
-        cmd = self.engine.build_cmd(self.layout.repo, self.layout.repo / "Dockerfile", stage, tag, args,
-                                    {"build-ca": build_ca_bundle()})
+        cmd = timestamped(self.engine, self.engine.build_cmd(self.layout.repo, self.layout.repo / "Dockerfile", stage,
+                                                             tag, args, {"build-ca": build_ca_bundle()}),
+                          args.get("SOURCE_DATE_EPOCH"))
         n = STAGES.index(stage) + 1
         self.log(f"stage    [{n}/{len(STAGES)}] {stage}: {' '.join(cmd[:4])} ... --target {stage}")
         started = time.monotonic()
@@ -211,6 +222,44 @@ class Builder:
         return int(out) if out.isdigit() else None
 
 
+def timestamped(engine: engine_step.Engine, cmd: list[str], epoch: str | None) -> list[str]:
+    """The build command with the engine's timestamp rewriting: podman/buildah ``--timestamp``
+    (podman >= 2.0, buildah >= 1.15; measured here with podman 4.3.1) sets the config's and
+    history's created time and every committed file's mtime. Docker: BuildKit reads the
+    SOURCE_DATE_EPOCH build arg (>= 0.11) for created/history; file mtimes need its
+    ``rewrite-timestamp`` exporter option (>= 0.13), which ``make image`` does not pass."""
+    if not epoch or engine.name not in ("podman", "buildah"):
+        return cmd
+    return [*cmd[:2], f"--timestamp={epoch}", *cmd[2:]]   # after `<binary> build|bud`
+
+
+def git_out(repo: Path, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def input_epoch(repo: Path, paths: tuple[str, ...]) -> int:
+    """Commit time of the last commit touching ``paths`` (SOURCE_DATE_EPOCH env overrides it)."""
+    if os.environ.get("SOURCE_DATE_EPOCH", "").isdigit():
+        return int(os.environ["SOURCE_DATE_EPOCH"])
+    value = git_out(repo, "log", "-1", "--format=%ct", "--", *paths)
+    if not value.isdigit():
+        raise DistBuildError(f"{repo}: no git history for {', '.join(paths[:3])}...: the build's SOURCE_DATE_EPOCH "
+                             "comes from the commit (or set SOURCE_DATE_EPOCH)")
+    return int(value)
+
+
+def provenance(repo: Path) -> dict[str, str]:
+    """HEAD's commit, its commit time (the `created` label) and where the source lives."""
+    rev = git_out(repo, "rev-parse", "HEAD") or "unknown"
+    dirty = git_out(repo, "status", "--porcelain", "--untracked-files=no")
+    ct = git_out(repo, "log", "-1", "--format=%ct")
+    created = datetime.fromtimestamp(int(ct), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if ct.isdigit() else ""
+    source = os.environ.get("DIST_IMAGE_SOURCE") or git_out(repo, "remote", "get-url", "origin") or "unknown"
+    return {"IMAGE_REVISION": rev + ("-dirty" if rev != "unknown" and dirty else ""),
+            "IMAGE_CREATED": created or "unknown", "IMAGE_SOURCE": source}
+
+
 def _imagectl():
     scripts = str(Path(__file__).resolve().parents[2] / "scripts")
     if scripts not in sys.path:
@@ -219,33 +268,47 @@ def _imagectl():
     return labels
 
 
-def run(layout: Layout, options: Options, log: Callable[[str], None] = print) -> int:
+def run(layout: Layout, options: Options, log: Callable[[str], None] = print,
+        engine: engine_step.Engine | None = None, report_dir: Path | None = None) -> int:
+    """Build up to ``options.target``; ``engine`` (make image-repro: one on clean storage) and
+    ``report_dir`` (default work/image) override the defaults."""
     started = time.monotonic()
     stages = stages_until(options.target)
     check_inputs(layout)
     _stage_flashinfer_artifacts(layout, options, log)
-    engine = engine_step.ensure_engine(options.engine, log)
+    engine = engine or engine_step.ensure_engine(options.engine, log)
     builder = Builder(layout, engine, options, log)
+    if report_dir is not None:
+        builder.out = report_dir
     report: dict = {"engine": engine.name, "tag": options.tag, "stages": builder.times}
+    epoch = input_epoch(layout.repo, BUILD_INPUTS)
     if options.base_image:
         base_ref = options.base_image
+        base_name = options.base_image
     else:
         base_started = time.monotonic()
-        base_ref = baseimage.ensure_base(engine, layout.work / "image", log)
+        base_ref = baseimage.ensure_base(engine, layout.work / "image", log,
+                                         lock=layout.repo / "build" / "lock" / "debian.txt",
+                                         epoch=input_epoch(layout.repo, BASE_INPUTS))
+        base_name = baseimage.TAG
         report["base_seconds"] = round(time.monotonic() - base_started, 1)
     report["base"] = base_ref
-    args = {"BASE_IMAGE": base_ref, "MAX_JOBS": str(options.max_jobs), **options.extra_args}
+    report["source_date_epoch"] = epoch
+    args = {"BASE_IMAGE": base_ref, "MAX_JOBS": str(options.max_jobs), "SOURCE_DATE_EPOCH": str(epoch),
+            **options.extra_args}
+    log(f"image    SOURCE_DATE_EPOCH={epoch} (last commit touching the build inputs), base {base_name} {base_ref[:12]}")
     labels_mod = _imagectl()
     manifest: dict | None = None
     aot: dict | None = None
     for stage in stages:
         if stage == "runtime":
             assert manifest is not None and aot is not None
-            git_rev = subprocess.run(["git", "-C", str(layout.repo), "rev-parse", "HEAD"], capture_output=True,
-                                     text=True).stdout.strip() or "unknown"
             runtime_args = {**args, **labels_mod.build_args(manifest, aot.get("status", "unknown")),
-                            "FLASHINFER_CUBIN_DIR": aot.get("cubin_dir", ""),
-                            "IMAGE_REVISION": git_rev, "IMAGE_VERSION": options.tag.rsplit(":", 1)[-1]}
+                            "FLASHINFER_CUBIN_DIR": aot.get("cubin_dir", ""), **provenance(layout.repo),
+                            "BASE_NAME": base_name, "BASE_DIGEST": baseimage.digest(engine, base_ref) or "unknown",
+                            "IMAGE_VERSION": options.tag.rsplit(":", 1)[-1]}
+            report["labels_args"] = {k: runtime_args[k] for k in ("IMAGE_REVISION", "IMAGE_CREATED", "IMAGE_SOURCE",
+                                                                  "BASE_NAME", "BASE_DIGEST")}
             builder.build_stage(stage, runtime_args, tag=options.tag)
         else:
             tag = builder.build_stage(stage, args)
@@ -278,6 +341,10 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print) ->
         report["size_bytes"] = builder.size(final)
         if report["size_bytes"]:
             log(f"image    {final}: {report['size_bytes'] / 1e9:.2f} GB")
+        report["image_id"] = baseimage.image_id(engine, final)
+        report["digest"] = baseimage.digest(engine, final)
+        log(f"image    {final} digest {report['digest']} (image id sha256:{report['image_id']})")
+        _write_report(builder.out, report, started)
         if options.selftest:
             result = builder.run(final, ["self-test"])
             print(result.stdout, end="")
@@ -292,8 +359,21 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print) ->
             if not report["audit"]["passed"]:
                 _write_report(builder.out, report, started)
                 raise DistBuildError(f"the arch audit failed for {options.audit_target} (above; JSON in work/image/audit.json)")
+        if options.layers:
+            from . import layertable
+            report["release_digest"], report["layers"] = layertable.release(engine, final, builder.out / "oci", log)
+            log(layertable.format_table(report["layers"]))
     _write_report(builder.out, report, started)
     log(f"image    {final} ready in {time.monotonic() - started:.0f} s; report: {builder.out / 'report.json'}")
+    return 0
+
+
+def lock_debian(layout: Layout, options: Options, log: Callable[[str], None] = print) -> int:
+    """``make lock-debian``: build/lock/debian.txt from the live suites (base, then each stage's closure)."""
+    engine = engine_step.ensure_engine(options.engine, log)
+    lock = layout.repo / "build" / "lock" / "debian.txt"
+    baseimage.write_lock(engine, layout.work / "image", lock, log, epoch=input_epoch(layout.repo, BASE_INPUTS))
+    log(f"lock     wrote {lock}; `make image` now builds the base and every stage from it")
     return 0
 
 

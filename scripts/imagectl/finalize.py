@@ -4,7 +4,9 @@ Takes the manifest the sources stage wrote (``trees/manifest.json``: every
 input by hash, each series and its patches, the pristine and patched tree
 hashes) and adds this image's outputs: our wheels with their sha256, the
 FlashInfer fused-MoE AOT status, and the version of every pinned package as
-installed. Then writes the CycloneDX SBOM of the venv.
+installed. Then writes the CycloneDX SBOM of the whole image: the venv's
+Python distributions, the Debian packages (with build/lock/debian.txt's .deb
+sha256) and the native libraries bundled inside wheels.
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wheels", type=Path, required=True, help="folder with SHA256SUMS of our wheels")
     p.add_argument("--aot", type=Path, required=True)
     p.add_argument("--lock", type=Path, default=Path("/opt/glm53/lock/image.txt"))
+    p.add_argument("--dpkg-status", type=Path, default=Path("/var/lib/dpkg/status"))
+    p.add_argument("--debian-lock", type=Path, default=Path("/opt/glm53/lock/debian.txt"))
     p.add_argument("--manifest", type=Path, required=True)
     p.add_argument("--sbom", type=Path, required=True)
     args = p.parse_args(argv)
@@ -56,9 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     args.manifest.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     hashes = hashes_from_lock(args.lock.read_text()) if args.lock.is_file() else {}
     hashes.update({project_of_wheel(f): sha for f, sha in sums.items()})
-    doc = sbom.document(sbom.components(None, hashes), {"type": "container", "name": "glm53-b300-serving"})
+    status = args.dpkg_status.read_text() if args.dpkg_status.is_file() else None
+    deb_lock = sbom.debian_lock_entries(args.debian_lock.read_text()) if args.debian_lock.is_file() else {}
+    doc = sbom.image_document(hashes, status, deb_lock, {"type": "container", "name": "glm53-b300-serving"})
     args.sbom.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    print(f"finalize wrote {args.manifest} and {args.sbom} ({len(doc['components'])} components)")
+    kinds = sbom.count_kinds(doc)
+    print(f"finalize wrote {args.manifest} and {args.sbom} ({len(doc['components'])} components: "
+          f"{kinds['pypi']} Python, {kinds['deb']} Debian, {kinds['bundled']} bundled native libraries)")
     return 0
 
 

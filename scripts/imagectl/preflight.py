@@ -121,6 +121,9 @@ def check_jit(environ: dict[str, str], release: str = CUDA_RELEASE,
         got = nvcc_release(Path(cuda_home) / "bin" / "nvcc")
         if got != release:
             problems.append(f"{cuda_home}/bin/nvcc " + (f"is CUDA {got}, want {release}" if got else "does not answer"))
+        # FlashInfer links every JIT module with -L$cuda_home/lib64/stubs -lcuda.
+        if not (Path(cuda_home) / "lib64" / "stubs" / "libcuda.so").is_file():
+            problems.append(f"no {cuda_home}/lib64/stubs/libcuda.so (FlashInfer's JIT links -lcuda)")
     compiler = environ.get("CXX") or which("c++") or which("g++")
     if not compiler:
         problems.append("no C++ compiler (c++/g++)")
@@ -129,7 +132,8 @@ def check_jit(environ: dict[str, str], release: str = CUDA_RELEASE,
         problems.append(f"no {include}/Python.h")
     if problems:
         return Check("jit toolchain", "FAIL", "; ".join(problems), fix)
-    return Check("jit toolchain", "PASS", f"nvcc {release} at {cuda_home}/bin, {compiler}, {include}/Python.h")
+    return Check("jit toolchain", "PASS", f"nvcc {release} at {cuda_home}/bin, the libcuda link stub, {compiler}, "
+                 f"{include}/Python.h")
 
 
 def preset_nixl_backends(vllm_yaml: Path) -> list[str]:

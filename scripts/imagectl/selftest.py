@@ -387,17 +387,46 @@ def check_torch(pinned_cuda: str) -> Check:
     return Check("torch cuda build", "PASS", f"torch {torch.__version__} CUDA {cuda} (no GPU needed for this check)")
 
 
+DPKG_STATUS = Path("/var/lib/dpkg/status")
+
+
+def check_debian(home: Path, status_path: Path = DPKG_STATUS) -> Check:
+    """Every installed Debian package at the version build/lock/debian.txt pins ([base] + [runtime])."""
+    from .aptpin import parse_lock
+    from .sbom import dpkg_installed
+    try:
+        sections = parse_lock((home / "lock" / "debian.txt").read_text())
+        pkgs = {p["Package"]: p.get("Version", "") for p in dpkg_installed(status_path.read_text())}
+    except (OSError, ValueError, RuntimeError) as exc:
+        return Check("debian packages", "FAIL", f"{type(exc).__name__}: {exc}")
+    locked: dict[str, str] = {}
+    for stage in ("base", "runtime"):
+        locked.update({n: v for n, (v, _) in sections.get(stage, ([], {}))[1].items()})
+    off = [f"{n} {v} (lock: {locked.get(n, 'not locked')})" for n, v in sorted(pkgs.items()) if locked.get(n) != v]
+    updates = sorted(f"{n} {v}" for n, v in pkgs.items() if re.search(r"\+deb\d+u\d+", v))
+    listing = ", ".join(f"{n} {v}" for n, v in sorted(pkgs.items()))
+    if off:
+        return Check("debian packages", "FAIL", f"{len(off)} of {len(pkgs)} not at the locked version: {'; '.join(off[:8])}")
+    return Check("debian packages", "PASS", f"{len(pkgs)} installed, all at build/lock/debian.txt's versions "
+                 f"(bookworm + updates + security; {len(updates)} at a +debNuM update); {listing}")
+
+
 def check_files(home: Path, config_root: Path) -> list[Check]:
     out = []
     try:
         manifest = json.loads((home / "manifest.json").read_text())
         sbom = json.loads((home / "sbom.cdx.json").read_text())
-        n = len(sbom["components"])
+        from .sbom import count_kinds, dpkg_installed
+        kinds = count_kinds(sbom)
+        n = kinds["pypi"]
         dists = {(re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(), d.version)
                  for d in md.distributions() if d.metadata["Name"]}
-        status = "PASS" if sbom.get("bomFormat") == "CycloneDX" and n == len(dists) else "FAIL"
+        debs = len(dpkg_installed(DPKG_STATUS.read_text())) if DPKG_STATUS.is_file() else 0
+        status = "PASS" if sbom.get("bomFormat") == "CycloneDX" and n == len(dists) and kinds["deb"] == debs \
+            and kinds["bundled"] > 0 else "FAIL"
         out.append(Check("manifest+sbom", status, f"manifest schema {manifest.get('schema')}, CycloneDX "
-                         f"{sbom.get('specVersion')} with {n} components for {len(dists)} installed packages"))
+                         f"{sbom.get('specVersion')}: {n} Python components for {len(dists)} installed packages, "
+                         f"{kinds['deb']} Debian for {debs} installed, {kinds['bundled']} native libraries bundled in wheels"))
     except (OSError, ValueError, KeyError) as exc:
         out.append(Check("manifest+sbom", "FAIL", str(exc)))
     need = [config_root / r / "vllm.yaml" for r in ("prefill", "decode", "aggregated")]
@@ -446,6 +475,7 @@ def runtime_checks(home: Path, config_root: Path) -> list[Check]:
     checks.append(check_nixl_backends(*probe_nixl_backends((*NIXL_REQUIRED, NIXL_HOST_LIBFABRIC))))
     checks.append(check_requirements())
     checks.extend(check_files(home, config_root))
+    checks.append(check_debian(home))
     checks.append(check_presets(config_root))
     checks.append(check_deploy(config_root))
     return checks
@@ -478,22 +508,62 @@ def check_presets(config_root: Path, python: str = sys.executable, timeout: int 
     return Check("presets validate", "FAIL", "; ".join(errors[:3]))
 
 
+# A placeholder digest for the self-test's render: the image cannot know its own digest, and
+# the chart refuses an image by tag.
+PLACEHOLDER_IMAGES = ("image=glm53-b300-serving@sha256:" + "0" * 64,
+                      "valkeySpec.image=valkey/valkey@sha256:" + "0" * 64)
+
+
+def _helm_available() -> bool:
+    import shutil
+
+    helm = os.environ.get("DIST_HELM")
+    return bool(helm and Path(helm).is_file()) or shutil.which("helm") is not None
+
+
+def check_chart_files(chart: Path) -> Check:
+    """Without Helm (the image carries none): the chart's values validate against its own
+    values.schema.json, and the engine configs its files/ links name are there."""
+    import jsonschema
+    import yaml
+
+    for name in ("Chart.yaml", "values.yaml", "values.schema.json", "templates"):
+        if not (chart / name).exists():
+            return Check("deploy chart", "FAIL", f"missing {chart / name}")
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    schema = json.loads((chart / "values.schema.json").read_text())
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(values), key=lambda e: list(e.path))
+    if errors:
+        where = ".".join(str(p) for p in errors[0].path) or "values"
+        return Check("deploy chart", "FAIL", f"{chart / 'values.yaml'}: {where}: {errors[0].message}")
+    broken = sorted(str(p) for p in (chart / "files").rglob("*") if not p.exists())
+    if broken:
+        return Check("deploy chart", "FAIL", f"chart files that do not resolve: {', '.join(broken)}")
+    templates = len(list((chart / "templates").glob("*")))
+    return Check("deploy chart", "PASS", f"{chart}: values valid against values.schema.json, {templates} templates "
+                 "(no helm in the image: render it with `helm template` or make image-check)")
+
+
 def check_deploy(config_root: Path, python: str = sys.executable) -> Check:
-    """The Kubernetes deployment renders from the shipped templates and parameters."""
+    """The Kubernetes deployment (the Helm chart) renders from the shipped files, or, where no
+    Helm is installed (the image), its values validate against the chart's schema."""
     import tempfile
 
+    chart = config_root / "deploy" / "chart"
     render = config_root / "deploy" / "render.py"
-    if not render.is_file():
-        return Check("deploy render", "FAIL", f"missing {render}")
+    if not render.is_file() or not chart.is_dir():
+        return Check("deploy render", "FAIL", f"missing {render if not render.is_file() else chart}")
+    if not _helm_available():
+        return check_chart_files(chart)
     with tempfile.TemporaryDirectory() as out:
-        # The image cannot know its own tag; the check is that the shipped templates render.
-        proc = subprocess.run([python, str(render), "--configs", str(config_root), "--out", out,
-                               "--set", "image=glm53-b300-serving:self-test"],
-                              capture_output=True, text=True, timeout=300)
+        command = [python, str(render), "--configs", str(config_root), "--out", out]
+        for assignment in PLACEHOLDER_IMAGES:
+            command += ["--set", assignment]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
         written = sorted(p.name for p in Path(out).iterdir())
     if proc.returncode != 0 or not written:
         return Check("deploy render", "FAIL", (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1])
-    return Check("deploy render", "PASS", f"{len(written)} manifests from {config_root / 'deploy'}")
+    return Check("deploy render", "PASS", f"{len(written)} manifests from {chart}")
 
 
 NOT_INSTALLED_LINE = re.compile(r"^# left out \(not installed: (?P<why>.*)\): (?P<name>\S+)$")

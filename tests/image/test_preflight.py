@@ -114,15 +114,32 @@ def _toolchain_home() -> Path:
     return found[0]
 
 
+def _image_cuda_home(tmp_path: Path) -> Path:
+    """Laid out as the image does: the pinned toolchain plus the libcuda stub the toolchain stage makes."""
+    from imagectl import cudastub
+    home = _toolchain_home()
+    image_home = tmp_path / "cuda"
+    image_home.mkdir()
+    for name in ("bin", "include", "nvvm"):
+        if (home / name).exists():
+            (image_home / name).symlink_to(home / name)
+    cudastub.build(home / "include" / "cuda.h", image_home / "lib64" / "stubs" / "libcuda.so")
+    return image_home
+
+
 def test_jit_toolchain_with_the_pinned_nvcc(tmp_path: Path) -> None:
     home = _toolchain_home()
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").is_file():
         pytest.fail(f"{include}/Python.h missing on this host", pytrace=False)
     assert preflight.nvcc_release(home / "bin" / "nvcc") == "13.0"
-    check = preflight.check_jit({"CUDA_HOME": str(home)})
+    # the toolchain's wheels alone have no libcuda stub: FlashInfer's -lcuda link would fail
+    bare = preflight.check_jit({"CUDA_HOME": str(home)})
+    assert bare.status == "FAIL" and bare.detail == f"no {home}/lib64/stubs/libcuda.so (FlashInfer's JIT links -lcuda)"
+    image_home = _image_cuda_home(tmp_path)
+    check = preflight.check_jit({"CUDA_HOME": str(image_home)})
     assert check.status == "PASS", check.detail
-    wrong = preflight.check_jit({"CUDA_HOME": str(home)}, release="13.5")
+    wrong = preflight.check_jit({"CUDA_HOME": str(image_home)}, release="13.5")
     assert wrong.status == "FAIL" and "is CUDA 13.0, want 13.5" in wrong.detail
     none = preflight.check_jit({}, include_dir=str(tmp_path), which=lambda _: None)
     assert none.status == "FAIL"
@@ -225,7 +242,7 @@ def _probe_ok(names):
 
 
 def test_run_checks_and_render_in_seconds(tmp_path: Path, tmpfs) -> None:
-    env = {"CUDA_HOME": str(_toolchain_home())}
+    env = {"CUDA_HOME": str(_image_cuda_home(tmp_path))}
     model = str(model_dir(tmp_path, GLM5_FP8))
     checks = preflight.run_checks("prefill", model, env, config_root=CONFIGS, shm=tmpfs("64m"),
                                   cache=tmp_path / "cache", probe=_probe_ok, smi=lambda: None)

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.configs.support import load_render
 from tests.ops.fake_engine import FakeEngine
 from tests.support.valkey import start_valkey
 
@@ -72,7 +71,7 @@ def test_self_test_passes_with_every_check(image):
     checks = {c["name"]: c for c in json.loads(done.stdout)}
     failed = {n: c["detail"] for n, c in checks.items() if c["status"] == "FAIL"}
     assert done.returncode == 0 and not failed, failed
-    for name in ("requirements", "presets validate", "deploy render", "lmcache cuda ext", "presets+tools"):
+    for name in ("requirements", "presets validate", "deploy chart", "lmcache cuda ext", "presets+tools"):
         assert checks[name]["status"] == "PASS", checks[name]
 
 
@@ -171,18 +170,21 @@ def test_needle_in_the_image_finds_the_code(image, tmp_path):
     assert all(r["found"] == "yes" for r in rows)
 
 
-def test_deployment_renders_in_the_image(image, tmp_path):
-    out = tmp_path / "deploy"
-    done = run_image(image, "python3", "/etc/glm53/deploy/render.py", "--set", f"image={image[1]}",
-                     "--out", "/out", out=out)
+def test_the_images_chart_renders_as_the_repos(image, tmp_path):
+    """The image carries the Helm chart (and no Helm): copied out of the image, it renders with
+    the host's Helm to exactly the repo's manifests."""
+    if not os.environ.get("DIST_HELM"):
+        pytest.skip("needs Helm (DIST_HELM: make test installs work/tools/bin/helm)")
+    out = tmp_path / "etc"
+    done = run_image(image, "bash", "-c", "cp -r /etc/glm53/. /out/", out=out, network="none")
     assert done.returncode == 0, done.stderr
-    render = load_render()  # the repo's renderer: the image's copy must render the same manifests
-    assert sorted(p.name for p in out.iterdir()) == render.FILES
-    expected = tmp_path / "expected"
-    subprocess.run([sys.executable, str(REPO / "configs" / "deploy" / "render.py"), "--set", f"image={image[1]}",
-                    "--out", str(expected)], check=True, capture_output=True)
-    for name in render.FILES:
-        assert (out / name).read_text() == (expected / name).read_text(), name
+    assert (out / "deploy" / "chart" / "files" / "prefill").is_symlink()  # the chart's links kept
+    sets = ["--set", f"image=glm53-b300-serving@sha256:{'0' * 64}", "--set", f"valkeySpec.image=valkey/valkey@sha256:{'1' * 64}"]
+    render = REPO / "configs" / "deploy" / "render.py"
+    got = subprocess.run([sys.executable, str(render), "--configs", str(out), *sets], capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    want = subprocess.run([sys.executable, str(render), *sets], capture_output=True, text=True, check=True)
+    assert got.stdout == want.stdout
 
 
 # --- the JIT toolchain, FlashInfer in vLLM, the preflight, an arbitrary UID (--network=none) ---------
@@ -211,6 +213,33 @@ def test_nvcc_compiles_for_sm_103a_with_the_image_toolchain(image, tmp_path):
                      out=out, network="none")
     assert done.returncode == 0, done.stderr
     assert "sm_103a" in done.stdout and (out / "k.o").stat().st_size > 0
+
+
+def test_a_flashinfer_jit_module_links_against_the_images_libcuda_stub(image, tmp_path):
+    """FlashInfer's own JIT (gen_concat_mla_module, the MLA prefill's concat kernel) builds a module
+    for sm_103a inside the image: its link line is FlashInfer's `-L$cuda_home/lib64/stubs -lcuda`,
+    which only the image's stub satisfies (no GPU, no driver here); rebuilt with lib64/stubs hidden
+    it fails as the image did before the stub, "cannot find -lcuda". The stub is link-time only:
+    SONAME libcuda.so.1, not known to the loader, and it defines every driver symbol the image's
+    prebuilt CUDA objects (FlashInfer, vLLM, LMCache, torch) import."""
+    out = tmp_path / "jit"
+    out.mkdir()
+    out.chmod(0o777)
+    script = out / "check.sh"
+    script.write_text((REPO / "tests" / "image" / "jit_link_check.sh").read_text())
+    done = run_image(image, "bash", "/out/check.sh", out=out, network="none", timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["built"] is True, got.get("error")
+    assert "-L$cuda_home/lib64/stubs" in got["ninja_text"] and "-lcuda\n" in got["ninja_text"]
+    assert "cuda_arch_flags = -gencode=arch=compute_103a,code=sm_103a" in got["ninja_text"]
+    assert "sm_103a" in got["elf"], got["elf"]
+    assert got["stub_soname"] == "libcuda.so.1"
+    assert got["loader_libcuda"] == "0"   # the loader never picks the stub: the node's driver provides libcuda.so.1
+    assert int(got["driver_symbols_used"]) > 0 and got["stub_missing"].strip() == "", got["stub_missing"]
+    if got["lib_undefined_cu"].strip():
+        assert "libcuda.so.1" in got["needed"]
+    assert "cannot find -lcuda" in got["nostub"], got["nostub"]
 
 
 def test_triton_compiles_its_launcher_stub_against_python_h(image):

@@ -1,8 +1,10 @@
 """SBOM generator, provenance labels and lock-file reading."""
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as md
 import json
+from pathlib import Path
 
 from imagectl import finalize, labels, locks, sbom
 
@@ -82,3 +84,66 @@ def test_finalize_adds_outputs_and_keeps_inputs() -> None:
     assert out["outputs"]["wheel:lmcache"]["sha256"] == "c" * 64
     assert out["outputs"]["flashinfer-fused-moe-aot"] == aot
     assert out["upstreams"] == _manifest()["upstreams"] and out["installed"] == {"vllm": "0.31.0"}
+
+
+STATUS = """Package: libc6
+Status: install ok installed
+Architecture: amd64
+Source: glibc
+Version: 2.36-9+deb12u13
+Description: GNU C Library
+ continuation line: not a field
+
+Package: gone
+Status: deinstall ok config-files
+Architecture: amd64
+Version: 1.0
+
+Package: tini
+Status: install ok installed
+Architecture: amd64
+Version: 0.19.0-1
+"""
+
+
+def test_debian_packages_are_components_with_their_locked_deb_hash() -> None:
+    lock = {"libc6": ("2.36-9+deb12u13", "a" * 64), "tini": ("0.19.0-2", "b" * 64)}
+    comps = sbom.debian_components(STATUS, lock)
+    assert [c["name"] for c in comps] == ["libc6", "tini"]   # the deinstalled one is not in the image
+    libc = comps[0]
+    assert libc["purl"] == "pkg:deb/debian/libc6@2.36-9+deb12u13?arch=amd64&distro=debian-12"
+    assert libc["hashes"] == [{"alg": "SHA-256", "content": "a" * 64}]
+    assert libc["properties"] == [{"name": "debian:source", "value": "glibc"}]
+    assert "hashes" not in comps[1]   # installed 0.19.0-1, the lock says -2: no hash is claimed
+
+
+def test_libraries_bundled_in_a_wheel_are_components_its_package_depends_on(tmp_path: Path) -> None:
+    libs = tmp_path / "demo.libs"
+    libs.mkdir()
+    (libs / "libucp-5e0b2a5c.so.0.0.0").write_bytes(b"\x7fELF ucx")
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "_ext.so").write_bytes(b"\x7fELF own")   # the package's own extension: not bundled
+    info = tmp_path / "demo-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n")
+    (info / "RECORD").write_text("demo.libs/libucp-5e0b2a5c.so.0.0.0,,\ndemo/_ext.so,,\ndemo-1.0.dist-info/RECORD,,\n")
+    comps, deps = sbom.bundled_libraries([md.PathDistribution(info)])
+    assert [(c["name"], c.get("version")) for c in comps] == [("libucp", "0.0.0")]
+    assert comps[0]["hashes"][0]["content"] == hashlib.sha256(b"\x7fELF ucx").hexdigest()
+    assert deps == {"pkg:pypi/demo@1.0": ["file:demo.libs/libucp-5e0b2a5c.so.0.0.0"]}
+    doc = sbom.document(comps, {"type": "container", "name": "x"}, deps)
+    assert doc["dependencies"] == [{"ref": "pkg:pypi/demo@1.0", "dependsOn": ["file:demo.libs/libucp-5e0b2a5c.so.0.0.0"]}]
+    assert sbom.count_kinds(doc) == {"pypi": 0, "deb": 0, "bundled": 1}
+
+
+def test_the_whole_image_sbom_of_this_machine_has_all_three_kinds() -> None:
+    status = Path("/var/lib/dpkg/status")
+    if not status.is_file():
+        import pytest
+        pytest.skip("not a dpkg system")
+    doc = sbom.image_document({}, status.read_text(), sbom.debian_lock_entries((REPO / "build" / "lock" / "debian.txt").read_text()),
+                              {"type": "container", "name": "x"})
+    kinds = sbom.count_kinds(doc)
+    assert kinds["pypi"] > 10 and kinds["deb"] > 50
+    refs = [c["bom-ref"] for c in doc["components"]]
+    assert len(refs) == len(set(refs))

@@ -329,16 +329,40 @@ def test_presets_check_runs_the_validator_and_names_a_bad_key(tmp_path: Path) ->
     assert len(selftest.preset_files(root)) == 7
 
 
-def test_deploy_check_renders_the_shipped_templates(tmp_path: Path) -> None:
+def test_deploy_check_renders_the_shipped_chart(tmp_path: Path) -> None:
+    import os
     import sys
 
+    if not os.environ.get("DIST_HELM"):
+        pytest.skip("needs Helm (DIST_HELM: make test installs it)")
     assert selftest.check_deploy(REPO / "configs", python=sys.executable).status == "PASS"
     root = tmp_path / "etc-glm53"
-    shutil.copytree(REPO / "configs", root)
-    params = root / "deploy" / "params.yaml"
-    params.write_text(params.read_text().replace("replicas: 4", "replicas: -4", 1))
+    shutil.copytree(REPO / "configs", root, symlinks=True)
+    values = root / "deploy" / "chart" / "values.yaml"
+    values.write_text(values.read_text().replace("replicas: 4", "replicas: -4", 1))
     check = selftest.check_deploy(root, python=sys.executable)
     assert check.status == "FAIL" and "prefill.replicas" in check.detail
+
+
+def test_deploy_check_without_helm_validates_the_chart_files(tmp_path: Path, monkeypatch) -> None:
+    """The image carries no Helm: the check validates the chart's values against its schema
+    and the engine configs its files/ links name."""
+    import sys
+
+    monkeypatch.delenv("DIST_HELM", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-helm"))
+    ok = selftest.check_deploy(REPO / "configs", python=sys.executable)
+    assert ok.status == "PASS" and ok.name == "deploy chart" and "values valid" in ok.detail
+    root = tmp_path / "etc-glm53"
+    shutil.copytree(REPO / "configs", root, symlinks=True)
+    values = root / "deploy" / "chart" / "values.yaml"
+    values.write_text(values.read_text().replace("replicas: 4", "replicas: -4", 1))
+    bad = selftest.check_deploy(root, python=sys.executable)
+    assert bad.status == "FAIL" and "prefill.replicas" in bad.detail and str(values) in bad.detail
+    values.write_text(values.read_text().replace("replicas: -4", "replicas: 4", 1))
+    shutil.rmtree(root / "decode")
+    gone = selftest.check_deploy(root, python=sys.executable)
+    assert gone.status == "FAIL" and "files/decode" in gone.detail
 
 
 def test_nixl_backend_verdicts() -> None:
@@ -407,3 +431,30 @@ def test_flashinfer_probe_asks_vllm_itself(tmp_path: Path) -> None:
     assert result["has_flashinfer"] is False and result["has_flashinfer_trtllm_fused_moe"] is False
     check = selftest.check_flashinfer_in_vllm(result)
     assert check.status == "FAIL" and "vLLM's has_flashinfer() is False" in check.detail
+
+
+def _debian_home(tmp_path: Path, runtime_version: str) -> tuple[Path, Path]:
+    from imagectl import aptpin
+    home = tmp_path / "glm53"
+    (home / "lock").mkdir(parents=True)
+    (home / "lock" / "debian.txt").write_text(
+        aptpin.format_section("base", ["python3"], {"libc6": ("2.36-9+deb12u13", "a" * 64)})
+        + aptpin.format_section("runtime", ["tini"], {"tini": (runtime_version, "b" * 64)}))
+    status = tmp_path / "status"
+    status.write_text("Package: libc6\nStatus: install ok installed\nVersion: 2.36-9+deb12u13\n\n"
+                      "Package: tini\nStatus: install ok installed\nVersion: 0.19.0-1\n")
+    return home, status
+
+
+def test_the_debian_check_lists_the_packages_at_their_locked_versions(tmp_path: Path) -> None:
+    home, status = _debian_home(tmp_path, "0.19.0-1")
+    check = selftest.check_debian(home, status)
+    assert check.status == "PASS", check.detail
+    assert check.detail.startswith("2 installed, all at build/lock/debian.txt's versions")
+    assert "1 at a +debNuM update" in check.detail and "libc6 2.36-9+deb12u13, tini 0.19.0-1" in check.detail
+
+
+def test_the_debian_check_fails_naming_a_package_off_its_lock(tmp_path: Path) -> None:
+    home, status = _debian_home(tmp_path, "0.19.0-2")
+    check = selftest.check_debian(home, status)
+    assert check.status == "FAIL" and "tini 0.19.0-1 (lock: 0.19.0-2)" in check.detail
