@@ -99,6 +99,40 @@ def check_cache(path: Path = Path("/cache")) -> Check:
     return Check("cache", "PASS", f"{path} writable as uid {os.getuid()}")
 
 
+# RDMA registration of host memory (NIXL's UCX/EFA backends pinning the KV and LMCache's L1)
+# is charged to RLIMIT_MEMLOCK unless the process holds CAP_IPC_LOCK in its effective set, which
+# a non-root process (the image's uid 1000, the chart's pods) does not, whatever the pod adds.
+CAP_IPC_LOCK = 14
+MEMLOCK_FIX = ("run with an unlimited memlock: docker/podman --ulimit memlock=-1:-1; on Kubernetes the "
+               "container runtime's limit is inherited (containerd/CRI-O: LimitMEMLOCK=infinity in its "
+               "systemd unit, or the runtime's default ulimits)")
+
+
+def effective_capabilities(status: Path = Path("/proc/self/status")) -> int:
+    for line in status.read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def check_memlock(backends: list[str], limits: tuple[int, int] | None = None, capabilities: int | None = None) -> Check:
+    """A NIXL role needs memlock unlimited (or CAP_IPC_LOCK); a role without NIXL only notes it."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK) if limits is None else limits
+    caps = effective_capabilities() if capabilities is None else capabilities
+    has_cap = bool(caps >> CAP_IPC_LOCK & 1)
+    shown = "unlimited" if soft == resource.RLIM_INFINITY else _size(soft)
+    cap_note = "CAP_IPC_LOCK effective" if has_cap else "no CAP_IPC_LOCK"
+    if soft == resource.RLIM_INFINITY or has_cap:
+        return Check("memlock", "PASS", f"RLIMIT_MEMLOCK {shown}, {cap_note}")
+    if not backends:
+        return Check("memlock", "WARN", f"RLIMIT_MEMLOCK {shown}, {cap_note}: pinned host memory may fail "
+                     "(the preset uses no NIXL, so nothing registers it for RDMA)", MEMLOCK_FIX)
+    return Check("memlock", "FAIL", f"RLIMIT_MEMLOCK {shown} and {cap_note}: NIXL's {', '.join(backends)} "
+                 "registration of the KV and L1 would fail", MEMLOCK_FIX)
+
+
 def nvcc_release(nvcc: Path, timeout: float = 30) -> str | None:
     try:
         out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=timeout).stdout
@@ -276,7 +310,9 @@ def run_checks(role: str, model: str | None, environ: dict[str, str], config_roo
     checks = [check_shm(role, shm), check_cache(cache), check_jit(environ)]
     vllm_yaml = config_root / role / "vllm.yaml"
     try:
-        checks.append(check_nixl(preset_nixl_backends(vllm_yaml), probe))
+        backends = preset_nixl_backends(vllm_yaml)
+        checks.append(check_nixl(backends, probe))
+        checks.append(check_memlock(backends))
     except (OSError, ValueError) as exc:
         checks.append(Check("nixl backends", "FAIL", f"{vllm_yaml}: {exc}", "the image ships the presets in /etc/glm53"))
     checks.append(check_flashinfer_artifacts(environ))

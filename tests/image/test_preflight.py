@@ -247,8 +247,9 @@ def test_run_checks_and_render_in_seconds(tmp_path: Path, tmpfs) -> None:
     checks = preflight.run_checks("prefill", model, env, config_root=CONFIGS, shm=tmpfs("64m"),
                                   cache=tmp_path / "cache", probe=_probe_ok, smi=lambda: None)
     by = {c.name: c.status for c in checks}
+    memlock = preflight.check_memlock(preflight.preset_nixl_backends(CONFIGS / "prefill" / "vllm.yaml")).status
     assert by == {"shm": "FAIL", "cache": "PASS", "jit toolchain": "PASS", "nixl backends": "PASS",
-                  "flashinfer artifacts": "WARN", "gpu": "WARN", "model": "PASS"}
+                  "memlock": memlock, "flashinfer artifacts": "WARN", "gpu": "WARN", "model": "PASS"}
     text = preflight.render(checks, 1.2)
     assert "preflight: FAIL  shm" in text and "fix: run the container with --ipc=host" in text
     assert text.rstrip().splitlines()[-1].startswith("preflight: FAILED in 1.2 s (1 fail, 2 warn)")
@@ -316,3 +317,26 @@ def test_dockerfile_gives_caches_and_home_to_group_0() -> None:
     assert "useradd --create-home --uid 1000 --gid 0" in runtime
     assert "chown -R 1000:0 /cache /home/serve" in runtime and "chmod -R g+rwX /cache /home/serve" in runtime
     assert "\nUSER 1000:0\n" in runtime
+
+
+def test_memlock_is_required_for_the_nixl_roles() -> None:
+    """The image runs as uid 1000 (no CAP_IPC_LOCK effective): RDMA registration then needs an
+    unlimited RLIMIT_MEMLOCK; root with CAP_IPC_LOCK passes whatever the limit."""
+    import resource
+
+    unlimited = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+    docker_default = (8 << 20, 8 << 20)
+    cap_ipc_lock = 1 << preflight.CAP_IPC_LOCK
+    refused = preflight.check_memlock(["UCX"], docker_default, capabilities=0)
+    assert refused.status == "FAIL" and "RLIMIT_MEMLOCK 8 MiB and no CAP_IPC_LOCK" in refused.detail
+    assert "UCX" in refused.detail and "--ulimit memlock=-1:-1" in refused.fix
+    assert preflight.check_memlock(["LIBFABRIC"], unlimited, capabilities=0).status == "PASS"
+    assert preflight.check_memlock(["UCX"], docker_default, capabilities=cap_ipc_lock).status == "PASS"
+    assert preflight.check_memlock([], docker_default, capabilities=0).status == "WARN"
+
+
+def test_effective_capabilities_are_read_from_proc(tmp_path: Path) -> None:
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nCapInh:\t0000000000000000\nCapEff:\t0000000000004000\n")
+    assert preflight.effective_capabilities(status) == 1 << preflight.CAP_IPC_LOCK
+    assert preflight.effective_capabilities() >= 0   # this process's own, readable

@@ -306,10 +306,10 @@ def test_preflight_passes_otherwise_and_says_the_gpu_checks_were_skipped(image, 
         preset.write_text(preset.read_text().replace("backends: [LIBFABRIC]", "backends: [UCX]"))
     subprocess.run(["chmod", "-R", "a+rX", str(tmp_path)], check=True)
     done = run_image(image, "preflight", "prefill", "/models/GLM-5.3-FP8", network="none",
-                     extra=("--shm-size=17g", _model(tmp_path), f"--volume={configs}:/etc/glm53-ucx:ro",
-                            "--env=GLM53_CONFIGS=/etc/glm53-ucx"), timeout=300)
+                     extra=("--shm-size=17g", "--ulimit=memlock=-1:-1", _model(tmp_path),
+                            f"--volume={configs}:/etc/glm53-ucx:ro", "--env=GLM53_CONFIGS=/etc/glm53-ucx"), timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    for name in ("shm", "cache", "jit toolchain", "nixl backends", "model"):
+    for name in ("shm", "cache", "jit toolchain", "nixl backends", "memlock", "model"):
         assert f"preflight: PASS  {name}" in done.stdout, name
     assert "GPU checks skipped" in done.stdout
 
