@@ -222,8 +222,10 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
     if leave_one_out is not None:
         series, build_site = leave_one_out
         # The engine proofs start vLLM from the engine venv with the variant's
-        # LMCache first on PYTHONPATH, as phase 2 does with the pristine build.
-        engine = {k: v for k, v in envs["patched"].items() if k == "DIST_ENGINE_PYTHON"}
+        # LMCache first on PYTHONPATH, as phase 2 does with the pristine build;
+        # the deployment's chaos proof renders the chart with Helm.
+        engine = {k: v for k, v in envs["patched"].items()
+                  if k in ("DIST_ENGINE_PYTHON", "DIST_HELM", "DIST_PROMTOOL")}
         left, left_problems = run_leave_one_out(repo, work, python, tree, series, build_site, paths,
                                                 pytest_args, {**(extra_env or {}), **engine})
         results["leave-one-out"] = left
