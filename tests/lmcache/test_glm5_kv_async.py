@@ -35,6 +35,7 @@ from tests.lmcache.test_glm5_kv_roundtrip import (
     check_case,
     check_groups,
     check_registered,
+    valkey_env,
 )
 from tests.support.pcp_ranks import run_processes
 
@@ -95,11 +96,7 @@ def test_async_round_trip_through_local_cpu_into_other_blocks(tmp_path, variant,
 @pytest.mark.fixes(V3_GROUPS, fails_with=WITHOUT_V3_GROUPS)
 @pytest.mark.parametrize(("variant", "latent_bytes"), VARIANTS)
 def test_async_round_trip_through_valkey_in_a_fresh_process(tmp_path, valkey, variant, latent_bytes):
-    env = {
-        "LMCACHE_REMOTE_URL": f"resp://{valkey.host}:{valkey.port}",
-        "LMCACHE_REMOTE_SERDE": "naive",
-        "LMCACHE_SAVE_UNFULL_CHUNK": "False",
-    }
+    env = valkey_env(valkey)
     (tmp_path / "store").mkdir()
     (tmp_path / "load").mkdir()
     common = dict(store_blocks=REMOTE_STORE_BLOCKS, load_blocks=REMOTE_LOAD_BLOCKS,

@@ -114,14 +114,19 @@ REMOTE_STORE_BLOCKS = [5, 2, 9, 11, 0, 17, 3, 21, 8]
 REMOTE_LOAD_BLOCKS = [7, 13, 1, 20, 4, 22, 6, 15, 10]
 
 
-@pytest.mark.fixes(V3_GROUPS, fails_with=WITHOUT_V3_GROUPS)
-@pytest.mark.parametrize(("variant", "latent_bytes"), VARIANTS)
-def test_round_trip_through_valkey_in_a_fresh_process(tmp_path, valkey, variant, latent_bytes):
-    env = {
+def valkey_env(valkey) -> dict[str, str]:
+    """LMCache's environment for a real Valkey as the remote tier (full chunks only)."""
+    return {
         "LMCACHE_REMOTE_URL": f"resp://{valkey.host}:{valkey.port}",
         "LMCACHE_REMOTE_SERDE": "naive",
         "LMCACHE_SAVE_UNFULL_CHUNK": "False",
     }
+
+
+@pytest.mark.fixes(V3_GROUPS, fails_with=WITHOUT_V3_GROUPS)
+@pytest.mark.parametrize(("variant", "latent_bytes"), VARIANTS)
+def test_round_trip_through_valkey_in_a_fresh_process(tmp_path, valkey, variant, latent_bytes):
+    env = valkey_env(valkey)
     (tmp_path / "store").mkdir()
     (tmp_path / "load").mkdir()
     # One model directory: the model name is part of every chunk's key.
