@@ -31,7 +31,10 @@ ARG TORCH_VERSION=2.13.0
 ARG VLLM_VERSION=0.31.0
 ARG LMCACHE_VERSION=0.5.5
 ARG FLASHINFER_VERSION=0.7.0.post1
-ARG NIXL_VERSION=1.5.1
+ARG NIXL_VERSION=1.4.1
+# libfabric for NIXL over EFA: Debian trixie's source package's upstream tarball (pool, by sha256).
+ARG LIBFABRIC_VERSION=2.1.0
+ARG LIBFABRIC_ORIG_SHA256=1a66369772d5bb151737214af1c478993e969cf298e8f9ed369e7a2ab8d8c6df
 # B300 only: LMCache's c_ops as sm_103a SASS; FlashInfer's fused-MoE module the same.
 ARG TORCH_CUDA_ARCH_LIST=10.3a
 ARG FLASHINFER_CUDA_ARCH_LIST=10.3a
@@ -131,6 +134,42 @@ RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
     && cp /work/manifest.json /work/trees/manifest.json \
     && rm -f /work/src/*/.git/index
 
+######################## libfabric: NIXL over EFA ########################
+# nixl-cu13 1.4.1 (vLLM 0.31.0's own pin, requirements/kv_connectors.txt) links libfabric at
+# FABRIC_1.7; bookworm's libfabric1 is 1.17 (FABRIC_1.5) and its LIBFABRIC backend does not load
+# (NIXL_ERR_NOT_FOUND). Debian trixie's libfabric 2.1.0 source, built here on bookworm's
+# rdma-core (libefa from ibverbs-providers) with the efa, shm, tcp, rxm and verbs providers, and
+# CUDA memory support (dlopen of the driver's libcuda and libnvidia-ml, nvml.h from the pinned
+# toolchain): GPUDirect RDMA of the KV cache over EFA. Configure fails if EFA's efadv is absent.
+FROM toolchain AS libfabric
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG LIBFABRIC_VERSION
+ARG LIBFABRIC_ORIG_SHA256
+ARG MAX_JOBS
+ARG SOURCE_DATE_EPOCH
+# autoconf automake libtool pkg-config libibverbs-dev librdmacm-dev xz-utils (build/lock/debian.txt [libfabric]).
+RUN python3 /usr/local/lib/glm53/aptpin.py install --lock /opt/glm53/lock/debian.txt --stage libfabric
+COPY scripts/imagectl/debsource.py /src/scripts/imagectl/debsource.py
+WORKDIR /work/libfabric
+RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
+    with-build-ca python3 /src/scripts/imagectl/debsource.py --source libfabric \
+      --file "libfabric_${LIBFABRIC_VERSION}.orig.tar.xz" --sha256 "${LIBFABRIC_ORIG_SHA256}" \
+      --cache /var/cache/dist/debian-src --out /work/libfabric/orig.tar.xz \
+    && tar -xJf orig.tar.xz --strip-components=1 && rm orig.tar.xz \
+    && ./autogen.sh >/dev/null \
+    && ./configure --prefix=/opt/libfabric --disable-static --enable-only \
+         --enable-efa=yes --enable-shm=yes --enable-tcp=yes --enable-rxm=yes --enable-verbs=yes \
+         --with-cuda=/opt/cuda --enable-cuda-dlopen >/dev/null \
+    && make -j"${MAX_JOBS}" >/dev/null && make install >/dev/null \
+    && rm -rf /opt/libfabric/lib/*.la /opt/libfabric/share \
+    && providers="$(LD_LIBRARY_PATH=/opt/libfabric/lib /opt/libfabric/bin/fi_info -l)" \
+    && for p in efa shm tcp ofi_rxm verbs; do \
+         printf '%s\n' "$providers" | grep -qx "${p}:" || { echo "libfabric ${LIBFABRIC_VERSION}: provider ${p} not built: ${providers}" >&2; exit 1; }; \
+       done \
+    && { grep -q '#define HAVE_CUDA 1' config.h || { echo "libfabric ${LIBFABRIC_VERSION}: built without CUDA memory support" >&2; exit 1; }; } \
+    && mkdir -p /out/lib /out/bin && cp -L /opt/libfabric/lib/libfabric.so.1 /out/lib/ && cp /opt/libfabric/bin/fi_info /out/bin/
+WORKDIR /
+
 ######################## build-env: torch + build needs ########################
 FROM toolchain AS build-env
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -224,14 +263,19 @@ ARG BASE_IMAGE
 # The run-time JIT's host side: gcc (Triton's launcher stub), g++ (FlashInfer's
 # and DeepGEMM's host code, nvcc's host compiler), python3-dev (Python.h, which
 # Triton's stub and FlashInfer's modules include via sysconfig's include dir).
-# libfabric1 (1.17) and the rdma-core libraries it brings (libibverbs1,
-# librdmacm1) for NIXL's UCX RDMA transports. NIXL's LIBFABRIC (EFA) plugin needs
-# libfabric's FABRIC_1.10 ABI, which no Debian release has (trixie's 2.1.0 stops
-# at FABRIC_1.8): EFA nodes mount theirs (configs/deploy nixl_host_libfabric). The
-# plugin also links libhwloc.so.15 (libhwloc15), which the node's libfabric does not bring.
-# gcc g++ libc6-dev python3-dev libfabric1 libhwloc15 libnuma1 ca-certificates tini (build/lock/debian.txt [runtime]).
+# rdma-core's libraries (libibverbs1, librdmacm1, ibverbs-providers: libefa, libmlx5) for
+# NIXL's UCX RDMA transports and the libfabric stage's build (NIXL's LIBFABRIC plugin, EFA);
+# the plugin also links libhwloc.so.15 (libhwloc15).
+# gcc g++ libc6-dev python3-dev libibverbs1 librdmacm1 ibverbs-providers libhwloc15 libnuma1 ca-certificates tini
+# (build/lock/debian.txt [runtime]).
 ARG SOURCE_DATE_EPOCH
 RUN python3 /usr/local/lib/glm53/aptpin.py install --lock /opt/glm53/lock/debian.txt --stage runtime
+# The image's one libfabric (the libfabric stage): on the loader's path, and fi_info on PATH.
+COPY --from=libfabric /out/ /opt/libfabric/
+RUN echo /opt/libfabric/lib > /etc/ld.so.conf.d/glm53-libfabric.conf && ldconfig && rm -f /var/cache/ldconfig/aux-cache \
+    && ln -s /opt/libfabric/bin/fi_info /usr/local/bin/fi_info \
+    && [ "$(ldconfig -p | grep -c 'libfabric\.so\.1 ')" = 1 ] \
+    || { echo "runtime: want exactly one libfabric.so.1 (/opt/libfabric/lib): $(ldconfig -p | grep libfabric)" >&2; exit 1; }
 # The venv's own pip: its timestamped .pyc replaced by unchecked-hash ones (PYTHONHASHSEED=0).
 RUN python3 -m venv /opt/venv && find /opt/venv -name __pycache__ -prune -exec rm -rf {} + \
     && PYTHONHASHSEED=0 /opt/venv/bin/python -m compileall -q --invalidation-mode unchecked-hash /opt/venv/lib

@@ -32,8 +32,11 @@ LOCK_LABEL = "io.glm53.base.debian-lock.sha256"
 STAGE_PACKAGES = {
     # git/g++/make for the build tool and the extensions; python3-dev: LMCache's C++/CUDA extensions include Python.h.
     "build-base": ("git", "g++", "make", "python3-dev", "ca-certificates"),
+    # libfabric 2.1.0 from Debian's source tarball, for NIXL over EFA (efadv, rdmacm; autogen.sh).
+    "libfabric": ("autoconf", "automake", "libtool", "pkg-config", "libibverbs-dev", "librdmacm-dev", "xz-utils"),
     # The run-time JIT's host side (gcc, g++, libc6-dev, python3-dev), NIXL's libraries, tini.
-    "runtime": ("gcc", "g++", "libc6-dev", "python3-dev", "libfabric1", "libhwloc15", "libnuma1", "ca-certificates", "tini"),
+    "runtime": ("gcc", "g++", "libc6-dev", "python3-dev", "libibverbs1", "librdmacm1", "ibverbs-providers",
+                "libhwloc15", "libnuma1", "ca-certificates", "tini"),
 }
 
 

@@ -38,14 +38,15 @@ from .lock import check_host  # noqa: F401  (re-exported for tests)
 from .paths import Layout
 from .pins import load as load_pins, normalize_name
 
-STAGES = ("base", "build-base", "toolchain", "sources", "build-env", "lmcache-wheel", "flashinfer-wheel", "runtime")
+STAGES = ("base", "build-base", "toolchain", "sources", "libfabric", "build-env", "lmcache-wheel", "flashinfer-wheel", "runtime")
 STAGE_TAG = "localhost/glm53-stage:{stage}"
 # SOURCE_DATE_EPOCH of the stages: the commit time of the last change to what they read. Only
 # these paths: a change to configs/ or the operator tools rebuilds the runtime's tail, not the
 # compile stages (a new epoch would). The runtime's labels carry HEAD's commit time.
 BUILD_INPUTS = ("Dockerfile", ".dockerignore", "build", "patches", "scripts/imagectl/__init__.py",
                 "scripts/imagectl/aptpin.py", "scripts/imagectl/cudastub.py", "scripts/imagectl/treemap.py",
-                "scripts/imagectl/flashinfer_aot.py", "scripts/imagectl/layers.py")
+                "scripts/imagectl/flashinfer_aot.py", "scripts/imagectl/layers.py",
+                "scripts/imagectl/debsource.py")
 BASE_INPUTS = ("build/lock/debian.txt", "build/distbuild/baseimage.py", "scripts/imagectl/aptpin.py")
 ERROR_HINTS = re.compile(r"(error|Error|ERROR|failed|FAILED|does not apply|not found|No such file)")
 
@@ -238,11 +239,29 @@ def git_out(repo: Path, *args: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
+def dockerignore_excludes(repo: Path) -> list[str]:
+    """git pathspecs leaving out what .dockerignore keeps out of the build context: a file no
+    stage can read (the build tool's host-side modules) must not move the stages' epoch, or
+    editing it would rebuild every stage through SOURCE_DATE_EPOCH."""
+    try:
+        lines = (repo / ".dockerignore").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith(("#", "!")):
+            continue
+        out.append(f":(exclude,glob){line.rstrip('/')}" + ("/**" if line.endswith("/") else ""))
+    return out
+
+
 def input_epoch(repo: Path, paths: tuple[str, ...]) -> int:
-    """Commit time of the last commit touching ``paths`` (SOURCE_DATE_EPOCH env overrides it)."""
+    """Commit time of the last commit touching ``paths``, less what .dockerignore leaves out of the
+    context (SOURCE_DATE_EPOCH env overrides it)."""
     if os.environ.get("SOURCE_DATE_EPOCH", "").isdigit():
         return int(os.environ["SOURCE_DATE_EPOCH"])
-    value = git_out(repo, "log", "-1", "--format=%ct", "--", *paths)
+    value = git_out(repo, "log", "-1", "--format=%ct", "--", *paths, *dockerignore_excludes(repo))
     if not value.isdigit():
         raise DistBuildError(f"{repo}: no git history for {', '.join(paths[:3])}...: the build's SOURCE_DATE_EPOCH "
                              "comes from the commit (or set SOURCE_DATE_EPOCH)")

@@ -135,6 +135,36 @@ def bundled_libraries(dists: list[md.Distribution] | None = None) -> tuple[list[
     return sorted(comps.values(), key=lambda c: c["bom-ref"]), {k: sorted(v) for k, v in sorted(deps.items())}
 
 
+# Libraries the image builds from source in a stage of its own (not a wheel, not a .deb): the
+# source they were built from, as the Dockerfile pins it (tests/image/test_sbom_labels_locks.py
+# keeps the two equal).
+SOURCE_BUILT = (
+    {"name": "libfabric", "version": "2.1.0", "path": "/opt/libfabric/lib/libfabric.so.1",
+     "source": "Debian trixie pool: libfabric_2.1.0.orig.tar.xz",
+     "source_sha256": "1a66369772d5bb151737214af1c478993e969cf298e8f9ed369e7a2ab8d8c6df"},
+)
+
+
+def source_built_components(entries: tuple[dict, ...] = SOURCE_BUILT) -> list[dict]:
+    """One component per library of SOURCE_BUILT the image has: the built file's sha256, and the
+    source it came from (pedigree) with that file's sha256."""
+    comps = []
+    for entry in entries:
+        path = Path(entry["path"])
+        if not path.is_file():
+            continue
+        comps.append({"type": "library", "bom-ref": f"pkg:generic/{entry['name']}@{entry['version']}",
+                      "name": entry["name"], "version": entry["version"],
+                      "purl": f"pkg:generic/{entry['name']}@{entry['version']}",
+                      "hashes": [{"alg": "SHA-256", "content": _file_sha256(path)}],
+                      "pedigree": {"notes": f"built in the image from {entry['source']} "
+                                            f"(sha256 {entry['source_sha256']})"},
+                      "properties": [{"name": "glm53:path", "value": entry["path"]},
+                                     {"name": "glm53:source", "value": entry["source"]},
+                                     {"name": "glm53:source-sha256", "value": entry["source_sha256"]}]})
+    return comps
+
+
 def document(comps: list[dict], subject: dict, dependencies: dict[str, list[str]] | None = None) -> dict:
     body = json.dumps([comps, dependencies or {}], sort_keys=True).encode()
     serial = uuid.uuid5(uuid.NAMESPACE_URL, "glm53-sbom:" + hashlib.sha256(body).hexdigest())
@@ -157,13 +187,13 @@ def image_document(hashes: dict[str, str], status_text: str | None, debian_lock:
     comps = components(None, hashes)
     native, deps = bundled_libraries()
     debs = debian_components(status_text, debian_lock) if status_text else []
-    return document(comps + debs + native, subject, deps)
+    return document(comps + debs + native + source_built_components(), subject, deps)
 
 
 def count_kinds(doc: dict) -> dict[str, int]:
     refs = [c.get("bom-ref", "") for c in doc.get("components", [])]
     return {"pypi": sum(r.startswith("pkg:pypi/") for r in refs), "deb": sum(r.startswith("pkg:deb/") for r in refs),
-            "bundled": sum(r.startswith("file:") for r in refs)}
+            "bundled": sum(r.startswith("file:") for r in refs), "source": sum(r.startswith("pkg:generic/") for r in refs)}
 
 
 def debian_lock_entries(text: str) -> dict[str, tuple[str, str]]:

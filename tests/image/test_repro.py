@@ -136,11 +136,19 @@ def test_the_epoch_is_the_commit_time_of_the_last_change_to_the_build_inputs(tmp
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     commit("Dockerfile", 1_800_000_000)
     commit("configs/x.yaml", 1_800_000_500)   # not a compile-stage input
+    commit(".dockerignore", 1_800_000_600)
+    (repo / ".dockerignore").write_text("# host-side\nbuild/distbuild/testenv.py\nwork/\n**/__pycache__/\n")
+    subprocess.run(["git", "-C", str(repo), "commit", "-qam", "ignore", "--date=@1800000600"], check=True,
+                   env={**env, "GIT_COMMITTER_DATE": "@1800000600 +0000"})
+    commit("build/distbuild/testenv.py", 1_800_000_900)   # outside the build context: no stage reads it
+    commit("build/__pycache__/x.pyc", 1_800_000_950)
     saved = os.environ.pop("SOURCE_DATE_EPOCH", None)
     try:
-        assert image.input_epoch(repo, image.BUILD_INPUTS) == 1_800_000_000
+        assert image.input_epoch(repo, image.BUILD_INPUTS) == 1_800_000_600
+        commit("build/distbuild/pins.py", 1_800_001_000)   # in the context: the stages read it
+        assert image.input_epoch(repo, image.BUILD_INPUTS) == 1_800_001_000
         prov = image.provenance(repo)
-        assert prov["IMAGE_CREATED"] == "2027-01-15T08:08:20Z"   # HEAD's commit time, UTC
+        assert prov["IMAGE_CREATED"] == "2027-01-15T08:16:40Z"   # HEAD's commit time, UTC
         assert len(prov["IMAGE_REVISION"]) == 40
         (repo / "Dockerfile").write_text("edited")
         assert image.provenance(repo)["IMAGE_REVISION"].endswith("-dirty")

@@ -133,7 +133,7 @@ def test_libraries_bundled_in_a_wheel_are_components_its_package_depends_on(tmp_
     assert deps == {"pkg:pypi/demo@1.0": ["file:demo.libs/libucp-5e0b2a5c.so.0.0.0"]}
     doc = sbom.document(comps, {"type": "container", "name": "x"}, deps)
     assert doc["dependencies"] == [{"ref": "pkg:pypi/demo@1.0", "dependsOn": ["file:demo.libs/libucp-5e0b2a5c.so.0.0.0"]}]
-    assert sbom.count_kinds(doc) == {"pypi": 0, "deb": 0, "bundled": 1}
+    assert sbom.count_kinds(doc) == {"pypi": 0, "deb": 0, "bundled": 1, "source": 0}
 
 
 def test_the_whole_image_sbom_of_this_machine_has_all_three_kinds() -> None:
@@ -147,3 +147,23 @@ def test_the_whole_image_sbom_of_this_machine_has_all_three_kinds() -> None:
     assert kinds["pypi"] > 10 and kinds["deb"] > 50
     refs = [c["bom-ref"] for c in doc["components"]]
     assert len(refs) == len(set(refs))
+
+
+def test_the_source_built_libfabric_is_a_component_with_its_pinned_source(tmp_path: Path) -> None:
+    """The image builds libfabric from a pinned tarball (the Dockerfile's libfabric stage): the SBOM
+    lists the built library by its sha256 and the source by the Dockerfile's pin."""
+    import re
+
+    dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
+    (entry,) = sbom.SOURCE_BUILT
+    assert f"ARG LIBFABRIC_VERSION={entry['version']}" in dockerfile
+    assert f"ARG LIBFABRIC_ORIG_SHA256={entry['source_sha256']}" in dockerfile
+    assert re.search(r"COPY --from=libfabric /out/ /opt/libfabric/", dockerfile) and entry["path"].startswith("/opt/libfabric/lib/")
+    built = tmp_path / "libfabric.so.1"
+    built.write_bytes(b"\x7fELF built")
+    (comp,) = sbom.source_built_components(({**entry, "path": str(built)},))
+    assert comp["bom-ref"] == "pkg:generic/libfabric@2.1.0" and comp["version"] == "2.1.0"
+    assert comp["hashes"] == [{"alg": "SHA-256", "content": hashlib.sha256(b"\x7fELF built").hexdigest()}]
+    assert {"name": "glm53:source-sha256", "value": entry["source_sha256"]} in comp["properties"]
+    assert sbom.source_built_components(({**entry, "path": str(tmp_path / "absent")},)) == []
+    assert sbom.count_kinds(sbom.document([comp], {"type": "container", "name": "x"}))["source"] == 1
