@@ -48,7 +48,7 @@ def test_monitoring_is_off_by_default():
 def test_promtool_accepts_the_rules_file():
     done = run_promtool("check", "rules", str(RULES))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 7 rules found" in done.stdout
+    assert "SUCCESS: 8 rules found" in done.stdout
 
 
 def test_rendered_prometheus_rule_is_the_rules_file(monitored, tmp_path):
@@ -58,7 +58,7 @@ def test_rendered_prometheus_rule_is_the_rules_file(monitored, tmp_path):
     rendered = tmp_path / "rendered-rules.yaml"
     rendered.write_text(yaml.safe_dump(rule["spec"]))
     done = run_promtool("check", "rules", str(rendered))
-    assert done.returncode == 0 and "SUCCESS: 7 rules found" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0 and "SUCCESS: 8 rules found" in done.stdout, done.stdout + done.stderr
 
 
 def test_pod_monitors_select_pods_with_those_ports(monitored):
@@ -86,19 +86,23 @@ def test_alerts_fire_on_their_incidents():
     assert "SUCCESS" in done.stdout
 
 
-def test_a_misspelt_metric_fails_the_rule_tests(tmp_path):
+@pytest.mark.parametrize("metric, misspelt, alert", [
+    ("redis_evicted_keys_total", "redis_evicted_total", "GLM53ValkeyChunksEvictedTooSoon"),
+    ("lmcache:num_lookup_timeouts_total", "lmcache:lookup_timeouts_total", "GLM53LookupTimeouts"),
+])
+def test_a_misspelt_metric_fails_the_rule_tests(tmp_path, metric, misspelt, alert):
     """The unit tests are not a rubber stamp: one wrong metric name and its alert stays silent."""
     (tmp_path / "rules").mkdir()
     rules = tmp_path / "rules" / "prometheus-rules.yaml"
     text = RULES.read_text()
-    assert text.count("redis_evicted_keys_total") == 1
-    rules.write_text(text.replace("redis_evicted_keys_total", "redis_evicted_total"))
+    assert text.count(metric) == 1
+    rules.write_text(text.replace(metric, misspelt))
     tests = tmp_path / "rules_test.yaml"
     tests.write_text(RULE_TESTS.read_text().replace("../../configs/deploy/chart/files/prometheus-rules.yaml",
                                                     "rules/prometheus-rules.yaml"))
     done = run_promtool("test", "rules", str(tests))
     assert done.returncode == 1
-    assert "alertname: GLM53ValkeyChunksEvictedTooSoon" in done.stdout + done.stderr
+    assert f"alertname: {alert}" in done.stdout + done.stderr
 
 
 def _metric_names() -> set[str]:
@@ -120,7 +124,8 @@ def test_vllm_and_lmcache_metric_names_are_the_real_ones():
     names = _metric_names()
     assert {n for n in names if n.startswith(("vllm:", "lmcache:"))} == {
         "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
-        "lmcache:remote_ping_errors_total", "lmcache:remote_time_to_get_bucket"}
+        "lmcache:remote_ping_errors_total", "lmcache:remote_time_to_get_bucket",
+        "lmcache:num_lookup_timeouts_total"}
     for name in names:
         if name.startswith("vllm:"):
             base = name.removesuffix("_total")
