@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# LMCache's gpu-marked tests on a GPU machine without a package index (issue 14).
+#
+# From the repository root, with the bundle carried (make_bundle.py; README.md beside this file):
+#   OUT=/some/dir tests/lmcache/gpu/device_run.sh [BUNDLE_DIR]      (default work/lmcache-gpu-bundle)
+#
+# Steps, each timed into $OUT/lmcache-gpu.log and $OUT/lmcache-gpu.json:
+#   detect   python/torch/CUDA/nvcc/ninja and the GPU's arch (TORCH_CUDA_ARCH_LIST from it)
+#   deps     a venv over the machine's Python (its torch), the bundle's wheels it lacks (install_deps.py)
+#   build    LMCache's extensions from the carried patched source, in place
+#            (setup.py build_ext --inplace: lmcache.cuda_ops + the common C++ ones; MAX_JOBS=nproc)
+#   test     pytest -m gpu on the gpu-marked tests/lmcache files, junit XML into $OUT
+#   leaveout the 0010 proof on the tree without 0010 and 0011 (the series' leave-out rule): it must
+#            fail with its fails_with, "paged KV differs" (strict xfail, tests/conftest.py)
+# Environment: PYTHON (default python3: the machine's torch), DIST_NO_GPU_EXT=1 for the CPU
+# rehearsal (check_local.sh): the CUDA build is SKIPPED (NO_GPU_EXT=1, common C++ extensions
+# only), no GPU is required, and the gpu tests are collected and skip for want of CUDA.
+# Exit: 0 every selected test passed (rehearsal: collected and skipped), 1 a test failed,
+# 2 the machine or the bundle is unfit (the log says which).
+set -uo pipefail
+cd "$(dirname "$0")/../../.." || exit 2
+REPO=$PWD
+: "${OUT:?set OUT to the directory for the results}"
+BUNDLE=$(cd "${1:-work/lmcache-gpu-bundle}" 2>/dev/null && pwd) \
+  || { echo "device_run.sh: no bundle at ${1:-work/lmcache-gpu-bundle} (tests/lmcache/gpu/make_bundle.py)" >&2; exit 2; }
+PYTHON=${PYTHON:-python3}
+REHEARSAL=${DIST_NO_GPU_EXT:-0}
+W=${DIST_GPU_WORK:-${TMPDIR:-/tmp}/dist-lmcache-gpu}
+mkdir -p "$OUT"
+LOG=$OUT/lmcache-gpu.log
+STEPS=$OUT/steps.tsv
+: > "$LOG"; : > "$STEPS"
+log() { echo "$*" | tee -a "$LOG"; }
+fail() { log "device_run.sh: $*"; summary; exit 2; }
+
+step() {  # step NAME CMD...: run, time, record; the command's output goes to the log
+  local name=$1; shift
+  local t0=$SECONDS
+  log "=== $name: $(date -u +%H:%M:%S)"
+  "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  printf '%s\t%s\t%s\n' "$name" "$((SECONDS - t0))" "$rc" >> "$STEPS"
+  log "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  return "$rc"
+}
+
+summary() {
+  "$PYTHON" - "$STEPS" "$OUT" "$REHEARSAL" <<'EOF' 2>&1 | tee -a "$LOG"
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+steps_file, out, rehearsal = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1"
+steps = [dict(zip(("step", "seconds", "rc"), line.split("\t"))) for line in steps_file.read_text().splitlines()]
+summary = {"rehearsal_without_cuda": rehearsal, "steps": [{**s, "seconds": int(s["seconds"]), "rc": int(s["rc"])} for s in steps]}
+for name in ("junit.xml", "junit-leaveout.xml"):
+    path = out / name
+    if path.is_file():
+        cases = []
+        for case in ET.parse(path).iter("testcase"):
+            status = "passed"
+            for kind in ("failure", "error", "skipped"):
+                node = case.find(kind)
+                if node is not None:
+                    status = kind if kind != "skipped" else "skipped: " + (node.get("message") or "")
+            cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "seconds": float(case.get("time", 0)), "status": status})
+        summary[name] = cases
+env = out / "env.json"
+if env.is_file():
+    summary["env"] = json.loads(env.read_text())
+(out / "lmcache-gpu.json").write_text(json.dumps(summary, indent=1) + "\n")
+print("steps:", ", ".join(f"{s['step']} {s['seconds']} s (rc {s['rc']})" for s in summary["steps"]))
+EOF
+}
+
+# ---- detect -------------------------------------------------------------------------------
+detect() {
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "nvidia-smi: none"
+  (nvcc --version 2>&1 | tail -2) || echo "nvcc: none"
+  echo "ninja: $(ninja --version 2>&1 || echo none)  cores: $(nproc)"
+  "$PYTHON" - "$OUT/env.json" <<'EOF'
+import json, os, shutil, site, sys, sysconfig
+from pathlib import Path
+env = {"python": sys.version.split()[0], "executable": sys.executable, "in_venv": sys.prefix != sys.base_prefix,
+       "site_packages": site.getsitepackages(), "python_h": (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file(),
+       "nvcc": shutil.which("nvcc"), "ninja": shutil.which("ninja"), "cores": os.cpu_count()}
+try:
+    import torch
+    env.update(torch=torch.__version__, torch_cuda=torch.version.cuda, cuda_available=torch.cuda.is_available(),
+               cxx11_abi=int(torch._C._GLIBCXX_USE_CXX11_ABI))
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        env.update(gpu=torch.cuda.get_device_name(0), capability=f"{major}.{minor}")
+except ImportError as exc:
+    env["torch_error"] = str(exc)
+Path(sys.argv[1]).write_text(json.dumps(env, indent=1) + "\n")
+print(json.dumps(env))
+EOF
+}
+step detect detect || fail "cannot run $PYTHON"
+envget() { "$PYTHON" -c "import json,sys; v=json.load(open('$OUT/env.json')).get('$1'); print('' if v is None else v)"; }
+[ -n "$(envget torch)" ] || fail "$PYTHON has no torch ($(envget torch_error)); set PYTHON to the machine's torch Python"
+[ "$(envget python_h)" = True ] || fail "$PYTHON has no Python.h: LMCache's extensions cannot be built with it"
+if [ "$REHEARSAL" = 1 ]; then
+  log "REHEARSAL (DIST_NO_GPU_EXT=1): no GPU required, the CUDA extension is NOT built, gpu tests skip"
+else
+  [ "$(envget cuda_available)" = True ] || fail "torch $(envget torch) sees no CUDA device"
+  [ -n "$(envget nvcc)" ] || fail "no nvcc on PATH: lmcache.cuda_ops cannot be built"
+  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(envget capability)}
+  log "GPU $(envget gpu), TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
+fi
+
+# ---- deps -------------------------------------------------------------------------------
+deps() {
+  rm -rf "$W" && mkdir -p "$W/tmp" || return 2
+  # The venv sees exactly what $PYTHON sees (its torch). Made from a plain installation,
+  # --system-site-packages does that. Made from a venv's Python (the GPU machine's python3 is
+  # /opt/torch/.venv's), "system" would mean the base installation, not that venv, so torch
+  # would be missing: there the parent's site directories go on the new venv's path through
+  # a .pth file instead. --without-pip: the parent's pip serves, through the same path.
+  local in_venv site made
+  in_venv=$("$PYTHON" -c 'import sys; print(int(sys.prefix != sys.base_prefix))') || return 2
+  if [ "$in_venv" = 1 ]; then
+    "$PYTHON" -m venv --without-pip "$W/venv"; made=$?
+  else
+    "$PYTHON" -m venv --without-pip --system-site-packages "$W/venv"; made=$?
+  fi
+  if [ "$made" != 0 ]; then
+    # No venv module: the wheels go into a folder on PYTHONPATH, ahead of the machine's own.
+    echo "python -m venv failed (rc $made): FALLBACK, installing into $W/site on PYTHONPATH instead"
+    mkdir -p "$W/site" && touch "$W/fallback-target"
+    PYTHONPATH="$W/site" "$PYTHON" "$REPO/tests/lmcache/gpu/install_deps.py" --bundle "$BUNDLE" --python "$PYTHON" \
+      --target "$W/site" --report "$W/deps.json"
+    return
+  fi
+  site=$("$W/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 2
+  if [ "$in_venv" = 1 ]; then
+    "$PYTHON" -c 'import site; print("\n".join(site.getsitepackages()))' > "$site/_dist_parent_site.pth" || return 2
+    echo "parent venv's site directories on the new venv's path: $(tr '\n' ' ' < "$site/_dist_parent_site.pth")"
+  fi
+  "$W/venv/bin/python" -c 'import torch, pip; print("venv sees torch", torch.__version__, "and pip", pip.__version__)' || return 2
+  "$W/venv/bin/python" "$REPO/tests/lmcache/gpu/install_deps.py" --bundle "$BUNDLE" --python "$W/venv/bin/python" \
+    --report "$W/deps.json"
+}
+step deps deps || fail "the test dependencies could not be installed (see above)"
+VPY=$W/venv/bin/python
+SITE=
+if [ -f "$W/fallback-target" ]; then VPY=$PYTHON; SITE=:$W/site; fi
+
+# ---- build ------------------------------------------------------------------------------
+build() {
+  mkdir -p "$W/lmcache" && tar -xzf "$BUNDLE/lmcache-src.tar.gz" -C "$W/lmcache" || return 2
+  local abi
+  abi=$(envget cxx11_abi)
+  if [ "$REHEARSAL" = 1 ]; then
+    echo "CUDA build SKIPPED (DIST_NO_GPU_EXT=1): building only LMCache's common C++ extensions"
+    export NO_GPU_EXT=1
+  else
+    export BUILD_WITH_CUDA=1
+  fi
+  (cd "$W/lmcache" && env ${SITE:+PYTHONPATH=${SITE#:}} ENABLE_CXX11_ABI="$abi" MAX_JOBS="${MAX_JOBS:-$(nproc)}" NVCC_THREADS=1 \
+     timeout "${BUILD_TIMEOUT_S:-480}" "$VPY" setup.py build_ext --inplace > "$OUT/build.log" 2>&1)
+  local rc=$?
+  tail -5 "$OUT/build.log"
+  # Per compile unit (ninja's log: start and end in ms), slowest first: the next estimate's data.
+  find "$W/lmcache/build" -name .ninja_log -exec awk -F'\t' 'NR > 1 {printf "%6.1f s  %s\n", ($2 - $1) / 1000, $4}' {} \; \
+    | sort -rn | head -15
+  [ "$rc" = 0 ] || { echo "build failed (rc $rc): $OUT/build.log"; return 2; }
+  local mods="lmcache.lmcache_native lmcache.lmcache_redis lmcache.lmcache_fs"
+  [ "$REHEARSAL" = 1 ] || mods="$mods lmcache.cuda_ops"
+  (cd "$W" && PYTHONPATH="$W/lmcache$SITE" "$VPY" -c "
+import importlib, sys
+for m in sys.argv[1:]:
+    print('imports', m, importlib.import_module(m).__file__)" $mods)
+}
+step build build || fail "LMCache's extensions did not build or import (build.log)"
+
+# ---- test -------------------------------------------------------------------------------
+mapfile -t FILES < <(grep -l 'pytest.mark.gpu' tests/lmcache/test_*.py)
+log "gpu-marked LMCache test files: ${FILES[*]}"
+PYTEST=(env PYTHONPATH="$REPO:$W/lmcache$SITE" PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 TMPDIR="$W/tmp"
+        timeout "${TEST_TIMEOUT_S:-420}" "$VPY" -m pytest -p no:cacheprovider -p tests.lmcache.gpu.device_plugin -m gpu -rA)
+[ "$REHEARSAL" = 1 ] || PYTEST+=(--device-require-gpu)
+step test "${PYTEST[@]}" --junitxml "$OUT/junit.xml" "${FILES[@]}" < /dev/null
+test_rc=$?
+
+# ---- leave-one-out: the 0010 proof without 0010 --------------------------------------------
+LEAVEOUT_GPU=(--device-require-gpu)
+[ "$REHEARSAL" != 1 ] || LEAVEOUT_GPU=()
+if [ -d "$BUNDLE/leaveout" ]; then
+  leaveout() {
+    local patch
+    patch=$(cat "$BUNDLE/leaveout/PATCH")
+    # The built package (its .so files: the variant differs in Python files only) with the
+    # variant's Python files over it and the files it lacks removed.
+    rm -rf "$W/without" && mkdir -p "$W/without" && cp -a "$W/lmcache/lmcache" "$W/without/" || return 2
+    [ ! -d "$BUNDLE/leaveout/lmcache" ] || cp -a "$BUNDLE/leaveout/lmcache/." "$W/without/lmcache/" || return 2
+    while read -r rel; do [ -z "$rel" ] || rm -f "$W/without/$rel"; done < "$BUNDLE/leaveout/DELETE"
+    echo "without $patch: $(find "$BUNDLE/leaveout/lmcache" -name '*.py' | wc -l) files replaced, $(grep -c . "$BUNDLE/leaveout/DELETE") removed"
+    env PYTHONPATH="$REPO:$W/without$SITE" DIST_LMCACHE_TREE="without:$patch" PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 \
+      TMPDIR="$W/tmp" timeout "${TEST_TIMEOUT_S:-420}" "$VPY" -m pytest -p no:cacheprovider \
+      -p tests.lmcache.gpu.device_plugin "${LEAVEOUT_GPU[@]}" -m gpu -rA --junitxml "$OUT/junit-leaveout.xml" "${FILES[@]}"
+  }
+  step leaveout leaveout < /dev/null || test_rc=1
+fi
+summary
+[ "$test_rc" = 0 ] || exit 1
+exit 0
