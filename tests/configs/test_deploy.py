@@ -20,7 +20,7 @@ from tests.deploy.cell import IMAGE, VALKEY_IMAGE, by, container, render, render
 # kubernetes-validate 1.37.0 ships schemas for 1.25 .. 1.37 inside the package.
 K8S_VERSION = "1.34.0"
 ENGINE_KINDS = {"ConfigMap", "Service", "Deployment", "StatefulSet", "NetworkPolicy", "PodDisruptionBudget",
-                "PriorityClass"}
+                "PriorityClass", "ServiceAccount", "Role", "RoleBinding"}
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +290,8 @@ def test_gpu_pods(docs, role, gpus, memory):
     assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
     assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == 16
     assert c["resources"]["limits"]["memory"] == memory  # prefill: 768 GiB L1 (pcp_shard_store) + 256 GiB
-    assert c["command"] == ["vllm", "serve", "/models/GLM-5.3-FP8", "--config", f"/etc/glm53/{role}/vllm.yaml"]
+    assert c["command"][4:] == ["vllm", "serve", "/models/GLM-5.3-FP8", "--config", f"/etc/glm53/{role}/vllm.yaml",
+                                "--shutdown-timeout", "120"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
     spec = sts["spec"]["template"]["spec"]
@@ -338,8 +339,78 @@ def test_prefill_env_mounts_the_lmcache_config_it_names(docs):
         "vllm.yaml": (CONFIGS / "decode" / "vllm.yaml").read_text()}
 
 
-def test_proxy_pairs_every_prefill_and_decode_pod(docs):
-    c = container(by(docs, "Deployment", "glm53-pd-proxy"))
+def _args(cmd, flag):
+    """The values after ``flag`` up to the next --flag."""
+    start = cmd.index(flag) + 1
+    end = next((i for i in range(start, len(cmd)) if cmd[i].startswith("--")), len(cmd))
+    return cmd[start:end]
+
+
+def test_router_is_vllm_router_finding_the_cells_pods(docs):
+    from tests.deploy import test_router
+
+    deployment = by(docs, "Deployment", "glm53-pd-proxy")
+    pod = deployment["spec"]["template"]["spec"]
+    c = container(deployment)
+    cmd = c["command"]
+    assert cmd[:3] == ["python3", "-m", "vllm_router.launch_router"]
+    assert "--vllm-pd-disaggregation" in cmd and _args(cmd, "--kv-connector") == ["nixl"]
+    assert _args(cmd, "--host") == ["0.0.0.0"] and _args(cmd, "--port") == ["8000"]
+    # Kubernetes discovery in this namespace only (a Role, not a ClusterRole), the engines' port.
+    assert "--service-discovery" in cmd and _args(cmd, "--service-discovery-namespace") == ["vllm"]
+    assert _args(cmd, "--service-discovery-port") == ["8000"]
+    for role in ("prefill", "decode"):
+        selector = dict(term.split("=", 1) for term in _args(cmd, f"--{role}-selector"))
+        labels = by(docs, "StatefulSet", f"glm53-{role}")["spec"]["template"]["metadata"]["labels"]
+        assert selector == {"app.kubernetes.io/name": "glm53", "app.kubernetes.io/component": role,
+                            "glm53.io/cell": "cell-a"}
+        assert all(labels[k] == v for k, v in selector.items())
+    assert _args(cmd, "--prefill-policy") == [test_router.PREFILL_POLICY] == ["cache_aware"]
+    assert _args(cmd, "--decode-policy") == ["power_of_two"]
+    # The health flags the router test measured the failure window with (tests/deploy/test_router.py).
+    assert _args(cmd, "--health-check-endpoint") == ["/health"]
+    assert _args(cmd, "--health-check-interval-secs") == [str(test_router.HEALTH_INTERVAL_S)]
+    assert _args(cmd, "--health-failure-threshold") == [str(test_router.HEALTH_FAILURE_THRESHOLD)]
+    assert _args(cmd, "--health-success-threshold") == [str(test_router.HEALTH_SUCCESS_THRESHOLD)]
+    assert _args(cmd, "--health-check-timeout-secs") == [str(test_router.HEALTH_TIMEOUT_S)]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    assert c["image"] == IMAGE
+    # The pod watch needs the API: a token for its ServiceAccount, bound to get/list/watch pods.
+    assert pod["serviceAccountName"] == "glm53-pd-proxy" and pod["automountServiceAccountToken"] is True
+    role = by(docs, "Role", "glm53-pd-proxy")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = by(docs, "RoleBinding", "glm53-pd-proxy")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "glm53-pd-proxy"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "glm53-pd-proxy", "namespace": "vllm"}]
+    assert by(docs, "ServiceAccount", "glm53-pd-proxy")["metadata"]["namespace"] == "vllm"
+
+
+def test_router_extra_args_and_policies_come_from_values():
+    docs = render_cell("router.vllmRouter.prefillPolicy=round_robin", "router.vllmRouter.extraArgs={--log-level,debug}",
+                       "router.vllmRouter.health.intervalSecs=5")
+    cmd = container(by(docs, "Deployment", "glm53-pd-proxy"))["command"]
+    assert _args(cmd, "--prefill-policy") == ["round_robin"] and cmd[-2:] == ["--log-level", "debug"]
+    assert _args(cmd, "--health-check-interval-secs") == ["5"]
+    with pytest.raises(render.RenderError) as err:
+        render_cell("router.kind=nginx")
+    assert "router.kind" in str(err.value)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engines_leave_the_router_then_drain_on_a_planned_stop(docs, role):
+    pod = by(docs, "StatefulSet", f"glm53-{role}")["spec"]["template"]["spec"]
+    c = container(by(docs, "StatefulSet", f"glm53-{role}"))
+    assert c["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "10"]}}}
+    assert _args(c["command"], "--shutdown-timeout") == ["120"]  # vLLM's default 0 aborts in-flight requests
+    assert pod["terminationGracePeriodSeconds"] == 10 + 120 + 30
+
+
+def test_toy_proxy_pairs_every_prefill_and_decode_pod(no_network):
+    docs = render_cell("router.kind=toy-proxy")
+    assert _validate_all(docs) == ENGINE_KINDS - {"ServiceAccount", "Role", "RoleBinding"}
+    deployment = by(docs, "Deployment", "glm53-pd-proxy")
+    c = container(deployment)
     cmd = c["command"]
     assert cmd[:2] == ["python3", "/opt/glm53/pd-proxy/toy_proxy_server.py"]
     hosts = cmd[cmd.index("--prefiller-hosts") + 1:cmd.index("--prefiller-ports")]
@@ -350,6 +421,7 @@ def test_proxy_pairs_every_prefill_and_decode_pod(docs):
     assert cmd[cmd.index("--decoder-ports") + 1:] == ["8000"]
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"  # the proxy's default is loopback
     assert c["readinessProbe"]["httpGet"]["path"] == "/healthcheck"
+    assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert c["image"] == IMAGE
     assert by(docs, "Service", "glm53-prefill")["spec"]["clusterIP"] == "None"
 
@@ -500,12 +572,12 @@ def _runtime_ld_library_path() -> str:
     return value
 
 
-@pytest.mark.parametrize("prefix", [None, "/opt/amazon/efa/"])
-def test_gpu_pods_mount_the_nodes_libfabric_lib64_and_lib_first(docs, prefix):
-    """The default (the AWS EFA installer's prefix) and a prefix with a trailing slash: the node's
+@pytest.mark.parametrize("prefix", ["/opt/amazon/efa", "/opt/amazon/efa/"])
+def test_gpu_pods_mount_the_nodes_libfabric_lib64_and_lib_first(prefix):
+    """The override (the AWS EFA installer's prefix, also with a trailing slash): the node's
     lib64 (Amazon Linux) and lib (Ubuntu), then the image's own LD_LIBRARY_PATH (the Dockerfile's)."""
-    rendered = docs if prefix is None else render_cell(f"nixlHostLibfabric={prefix}")
-    lib = prefix or "/opt/amazon/efa"
+    rendered = render_cell(f"nixlHostLibfabric={prefix}")
+    lib = prefix
     expected = ":".join(filter(None, ["/opt/amazon/efa/lib64", "/opt/amazon/efa/lib", _runtime_ld_library_path()]))
     for role in ("prefill", "decode"):
         sts = by(rendered, "StatefulSet", f"glm53-{role}")
@@ -524,16 +596,20 @@ def test_an_image_ld_library_path_stays_after_the_nodes(tmp_path):
     anchor = '{{- define "glm53.imageLdLibraryPath" -}}'
     assert text.count(anchor) == 1
     helpers.write_text(text.replace(anchor, anchor + "/opt/image/lib"))
-    env = {e["name"]: e.get("value") for e in container(by(render_cell(chart=_chart(configs)), "StatefulSet",
+    env = {e["name"]: e.get("value") for e in container(by(render_cell("nixlHostLibfabric=/opt/amazon/efa",
+                                                                       chart=_chart(configs)), "StatefulSet",
                                                            "glm53-prefill"))["env"]}
     assert env["LD_LIBRARY_PATH"] == "/opt/amazon/efa/lib64:/opt/amazon/efa/lib:/opt/image/lib"
 
 
-def test_libfabric_backend_without_the_nodes_libfabric_is_refused():
-    with pytest.raises(render.RenderError) as err:
-        render_cell("nixlHostLibfabric=null")
-    assert "prefill/vllm.yaml: NIXL backend LIBFABRIC needs the node's libfabric with FABRIC_1.10" in str(err.value)
-    assert "nixlHostLibfabric" in str(err.value)
+def test_libfabric_backend_uses_the_images_libfabric_by_default(docs):
+    """The presets' LIBFABRIC backend with the defaults: the image's own libfabric 2.1.0, so no
+    host mount and the image's LD_LIBRARY_PATH untouched (the node's is an explicit override)."""
+    for role in ("prefill", "decode"):
+        sts = by(docs, "StatefulSet", f"glm53-{role}")
+        assert "LIBFABRIC" in (CONFIGS / role / "vllm.yaml").read_text()
+        assert all(v["name"] != "nixl-libfabric" for v in sts["spec"]["template"]["spec"]["volumes"])
+        assert all(e["name"] != "LD_LIBRARY_PATH" for e in container(sts)["env"])
 
 
 @pytest.mark.parametrize("value", ["/opt/amazon/efa/lib", "/opt/amazon/efa/lib64/"])
@@ -592,3 +668,45 @@ def test_packaged_chart_carries_the_engine_configs(tmp_path):
     assert out.returncode == 0, out.stderr
     (package,) = tmp_path.glob("glm53-cell-*.tgz")
     assert render.render(sets(), chart=package) == render_cell()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engines_export_lmcaches_metrics_from_a_fresh_multiprocess_folder(docs, role, tmp_path):
+    """LMCache's counters live in vLLM's EngineCore and workers: /metrics serves them only through
+    PROMETHEUS_MULTIPROC_DIR (an emptyDir), which the command empties before exec'ing vLLM. The
+    rendered command runs for real here with a stand-in for vllm that lists the folder."""
+    sts = by(docs, "StatefulSet", f"glm53-{role}")
+    c = container(sts)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    folder = env["PROMETHEUS_MULTIPROC_DIR"]
+    assert {"name": "prometheus", "mountPath": folder} in c["volumeMounts"]
+    assert {"name": "prometheus", "emptyDir": {"sizeLimit": "1Gi"}} in sts["spec"]["template"]["spec"]["volumes"]
+    stale = tmp_path / "prom"
+    stale.mkdir()
+    (stale / "counter_1234.db").write_bytes(b"stale")
+    fake_vllm = tmp_path / "bin" / "vllm"
+    fake_vllm.parent.mkdir()
+    fake_vllm.write_text('#!/bin/sh\nls -A "$PROMETHEUS_MULTIPROC_DIR"; echo "args: $*"\n')
+    fake_vllm.chmod(0o755)
+    done = subprocess.run(c["command"], capture_output=True, text=True,
+                          env={"PATH": f"{fake_vllm.parent}:/usr/bin:/bin", "PROMETHEUS_MULTIPROC_DIR": str(stale)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"args: serve /models/GLM-5.3-FP8 --config /etc/glm53/{role}/vllm.yaml "
+                                        "--shutdown-timeout 120"]
+    unset = subprocess.run(c["command"], capture_output=True, text=True, env={"PATH": f"{fake_vllm.parent}:/usr/bin:/bin"})
+    assert unset.returncode != 0 and "PROMETHEUS_MULTIPROC_DIR" in unset.stderr   # never rm -rf /*
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engine_pods_run_the_images_preflight_first_with_the_engines_devices(docs, role):
+    """The image's preflight (IMAGE preflight ROLE MODEL) as an init container: the same GPUs, EFA
+    devices, memory, volumes and environment as the engine, so it checks what the engine will get."""
+    spec = by(docs, "StatefulSet", f"glm53-{role}")["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    engine = container(by(docs, "StatefulSet", f"glm53-{role}"))
+    assert init["name"] == "preflight" and init["image"] == engine["image"]
+    assert "command" not in init   # the image's entrypoint runs it
+    assert init["args"] == ["preflight", role, "/models/GLM-5.3-FP8"]
+    for key in ("env", "resources", "securityContext", "volumeMounts"):
+        assert init[key] == engine[key], key
+    assert "initContainers" not in by(render_cell("preflight=false"), "StatefulSet", f"glm53-{role}")["spec"]["template"]["spec"]

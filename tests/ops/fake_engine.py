@@ -2,7 +2,7 @@
 
 Serves ``/v1/completions``, ``/v1/models``, ``/health``, ``/tokenize``,
 ``/metrics``, ``/start_profile``, ``/stop_profile`` and ``/reset_prefix_cache``
-on 127.0.0.1, from a background thread.
+on 127.0.0.1 (or another loopback ``host``), from a background thread.
 
 How a completion behaves:
 
@@ -31,8 +31,26 @@ How a completion behaves:
 - ``stream: false`` (the P/D proxy's prefill call) gets one JSON completion with
   ``kv_transfer_params``; a request carrying ``kv_transfer_params`` with
   ``do_remote_prefill`` (the proxy's decode call) is not prefilled: all its
-  prompt tokens count as external hits, as NIXL's transfer does on a decode
-  engine. So two fake engines behind vLLM's toy proxy act as a P/D cell.
+  prompt tokens count as external hits on ``/metrics``, as NIXL's transfer does
+  on a decode engine, while its usage ``cached_tokens`` is the prefill's own
+  count, which the prefill returned as ``remote_prefill_cached_tokens`` (vLLM
+  0.31.0: v1/core/sched/scheduler.py, v1/engine/output_processor.py). So two
+  fake engines behind vLLM's toy proxy act as a P/D cell.
+  The prefill's ``kv_transfer_params`` carry ``remote_request_id``, the
+  engine's id for the request: ``cmpl-<X-Request-Id>-<8 hex>`` as vLLM 0.31.0
+  derives it (entrypoints/openai/completion/serving.py:141,
+  v1/engine/input_processor.py:338).
+- Shutdown as vLLM 0.31.0's ``serve_http`` does it
+  (entrypoints/launchers/launcher.py; v1/engine/core.py ``_handle_shutdown``,
+  ``_reject_add_in_shutdown``): after ``begin_drain()`` (the CLI's SIGTERM with
+  ``--shutdown-timeout`` > 0) ``/health`` still answers 200
+  (``AsyncLLM.check_health`` only fails on a dead engine), a new completion is
+  finished at once with ``finish_reason: "abort"`` (200, no text, no
+  ``kv_transfer_params``), and requests already in flight run to the end; with
+  ``--shutdown-timeout 0`` (vLLM's default, ``begin_drain(abort=True)``) those
+  are finished the same way instead (a prefill not yet answered, or a stream at
+  its next chunk). The CLI's ``--arrivals-log`` records every arrival, finish
+  and abort as a JSON line, for tests that run engines as processes.
 
 Run it alone for a demo: ``python -m tests.ops.fake_engine --port 8000``.
 """
@@ -43,8 +61,10 @@ import asyncio
 import hashlib
 import json
 import re
+import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +81,20 @@ def fake_tokens(text: str) -> list[str]:
     for piece in TOKEN.findall(text):
         tokens.extend((piece, piece + "##") if len(piece) > 7 else (piece,))
     return tokens
+
+
+async def shutdown_runner(runner: web.AppRunner) -> None:
+    """Stop an aiohttp app run on its own loop, then cancel what is left on that loop."""
+    await runner.cleanup()
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
+
+
+def fake_token_id(token: str) -> int:
+    """A stable id per fake token, so equal prefixes have equal ids (a prefix-aware router sees them)."""
+    return int.from_bytes(hashlib.sha256(token.encode()).digest()[:4], "big") % 151_552
 
 
 def fake_token_count(text: str) -> int:
@@ -104,6 +138,7 @@ class Arrival:
     monotonic_s: float
     path: str
     body: dict[str, Any]
+    request_id: str = ""  # the X-Request-Id header, "" without one
 
 
 @dataclass
@@ -119,6 +154,8 @@ class FakeEngine:
     metrics_enabled: bool = True
     stream_content_type: str = "text/event-stream"
     port: int = 0
+    host: str = "127.0.0.1"  # any loopback address (127.0.0.0/8), so several engines can share a port
+    arrivals_log: str = ""  # if set, one JSON line per completion arrival and finish, for tests across processes
     arrivals: list[Arrival] = field(default_factory=list)
     profile_calls: list[tuple[str, float]] = field(default_factory=list)
     tokenize_calls: int = 0
@@ -132,10 +169,13 @@ class FakeEngine:
         self._runner: web.AppRunner | None = None
         self._started = threading.Event()
         self._prefill_lock: asyncio.Lock | None = None
+        self.draining = False
+        self.in_flight = 0
+        self._abort = asyncio.Event()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     # -- lifecycle -------------------------------------------------------
     def start(self) -> FakeEngine:
@@ -159,11 +199,7 @@ class FakeEngine:
 
     async def _shutdown(self) -> None:
         assert self._runner is not None
-        await self._runner.cleanup()
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in others:
-            task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
+        await shutdown_runner(self._runner)
 
     def __enter__(self) -> FakeEngine:
         return self.start()
@@ -187,7 +223,7 @@ class FakeEngine:
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, backlog=1024)
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         loop.run_until_complete(site.start())
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._started.set()
@@ -204,8 +240,8 @@ class FakeEngine:
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.tokenize_calls += 1
-        count = fake_token_count(body["prompt"])
-        return web.json_response({"count": count, "max_model_len": 262_144, "tokens": list(range(count))})
+        tokens = [fake_token_id(token) for token in fake_tokens(body["prompt"])]
+        return web.json_response({"count": len(tokens), "max_model_len": 262_144, "tokens": tokens})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if not self.metrics_enabled:
@@ -233,15 +269,69 @@ class FakeEngine:
         self.profile_calls.append((request.path, time.monotonic()))
         return web.json_response({"success": True})
 
+    def begin_drain(self, abort: bool = False) -> None:
+        """Stop admitting completions as vLLM 0.31.0 does on SIGTERM; ``abort`` (its --shutdown-timeout 0)
+        also finishes the requests in flight with ``finish_reason: "abort"``."""
+        self.draining = True
+        if abort and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._abort.set)
+
+    def _log(self, event: str, arrived: float, request_id: str, body: dict[str, Any]) -> None:
+        if not self.arrivals_log:
+            return
+        transfer = body.get("kv_transfer_params") or {}
+        record = {"event": event, "t": arrived, "now": time.monotonic(), "port": self.port,
+                  "request_id": request_id, "prefill": bool(transfer.get("do_remote_decode")),
+                  "decode": bool(transfer.get("do_remote_prefill")), "draining": self.draining,
+                  "prompt_head": str(body.get("prompt", ""))[:40]}
+        with open(self.arrivals_log, "a", encoding="utf-8") as log:
+            log.write(json.dumps(record) + "\n")
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
         body = await request.json()
-        self.arrivals.append(Arrival(arrived, request.path, body))
-        prompt = body.get("prompt")
-        plan = parse_plan(prompt) if isinstance(prompt, str) else None
-        if plan is not None:
-            return await self._planned(request, body, plan, arrived)
-        return await self._simulated(request, body)
+        request_id = request.headers.get("X-Request-Id", "")
+        self.arrivals.append(Arrival(arrived, request.path, body, request_id))
+        self._log("arrive", arrived, request_id, body)
+        if self.draining:
+            self._log("abort", arrived, request_id, body)
+            return await self._aborted(request, body)
+        self.in_flight += 1
+        try:
+            prompt = body.get("prompt")
+            plan = parse_plan(prompt) if isinstance(prompt, str) else None
+            if plan is not None:
+                return await self._planned(request, body, plan, arrived)
+            if body.get("stream"):
+                response = await self._simulated(request, body)
+            else:  # nothing is sent before the end, so an abort can still answer instead
+                work = asyncio.ensure_future(self._simulated(request, body))
+                abort = asyncio.ensure_future(self._abort.wait())
+                await asyncio.wait({work, abort}, return_when=asyncio.FIRST_COMPLETED)
+                abort.cancel()
+                if not work.done():
+                    work.cancel()
+                    self._log("abort", arrived, request_id, body)
+                    return await self._aborted(request, body)
+                response = work.result()
+            self._log("finish", arrived, request_id, body)
+            return response
+        finally:
+            self.in_flight -= 1
+
+    async def _aborted(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if not body.get("stream"):
+            return web.json_response({
+                "id": "cmpl-fake", "object": "text_completion", "model": self.model,
+                "choices": [{"index": 0, "text": "", "finish_reason": "abort"}],
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+                "kv_transfer_params": None,
+            })
+        response = await self._open_stream(request)
+        await response.write(self._chunk("", "abort"))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     @staticmethod
     def _chunk(text: str, finish: str | None = None) -> bytes:
@@ -309,6 +399,11 @@ class FakeEngine:
         await response.write_eof()
         return response
 
+    @staticmethod
+    def _engine_request_id(request: web.Request) -> str:
+        base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        return f"cmpl-{base}-{uuid.uuid4().hex[:8]}"
+
     def _chunk_hashes(self, tokens: list[str]) -> list[bytes]:
         hashes = []
         running = hashlib.sha256()
@@ -324,6 +419,7 @@ class FakeEngine:
         max_tokens = int(body.get("max_tokens") or 16)
         transfer = body.get("kv_transfer_params") or {}
         self.external_queries += len(tokens)
+        prefill_cached = transfer.get("remote_prefill_cached_tokens")
         if transfer.get("do_remote_prefill"):
             cached = len(tokens)  # the decode side: NIXL brought the whole prompt's KV
             await asyncio.sleep(cached / self.load_rate)
@@ -346,7 +442,10 @@ class FakeEngine:
             pieces = [f" {answer}", "."]
         else:
             pieces = [f" w{i}" for i in range(min(max_tokens, 64))]
-        reported_cached = cached if self.report_cached_tokens else None
+        # vLLM 0.31.0's decode side reports the prefill's own hits (remote_prefill_cached_tokens, which the
+        # prefill scheduler put into kv_transfer_params), not its ~100% from the transfer.
+        shown = prefill_cached if transfer.get("do_remote_prefill") and isinstance(prefill_cached, int) else cached
+        reported_cached = shown if self.report_cached_tokens else None
         if not body.get("stream"):
             pieces = pieces[:max_tokens]
             usage: dict[str, Any] = {"prompt_tokens": len(tokens), "completion_tokens": len(pieces),
@@ -359,12 +458,17 @@ class FakeEngine:
                 "usage": usage,
                 "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
                                        "remote_engine_id": f"fake-{self.port}", "remote_block_ids": [],
-                                       "remote_host": "127.0.0.1", "remote_port": self.port},
+                                       "remote_request_id": self._engine_request_id(request),
+                                       "remote_prefill_cached_tokens": cached,
+                                       "remote_host": self.host, "remote_port": self.port, "tp_size": 1},
             })
         response = await self._open_stream(request)
         for i, piece in enumerate(pieces):
             if i:
                 await asyncio.sleep(self.decode_gap)
+            if self._abort.is_set():
+                await response.write(self._chunk("", "abort"))
+                break
             await response.write(self._chunk(piece, "length" if i == len(pieces) - 1 else None))
         if (body.get("stream_options") or {}).get("include_usage"):
             await response.write(self._usage(len(tokens), len(pieces), reported_cached))
@@ -376,18 +480,28 @@ class FakeEngine:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the fake engine on 127.0.0.1 until Ctrl-C.")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="a loopback address to listen on")
     parser.add_argument("--prefill-rate", type=float, default=200_000.0, help="uncached tokens/s")
     parser.add_argument("--load-rate", type=float, default=2_000_000.0, help="cached tokens/s")
     parser.add_argument("--decode-gap", type=float, default=0.02)
+    parser.add_argument("--arrivals-log", default="", help="append one JSON line per completion arrival/finish here")
+    parser.add_argument("--shutdown-timeout", type=float, default=0.0,
+                        help="as vLLM's: on SIGTERM, 0 exits at once, >0 drains in-flight requests up to this long")
     args = parser.parse_args()
     engine = FakeEngine(prefill_rate=args.prefill_rate, load_rate=args.load_rate, decode_gap=args.decode_gap,
-                        port=args.port).start()
+                        port=args.port, host=args.host, arrivals_log=args.arrivals_log).start()
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: terminated.set())
     print(f"fake engine on {engine.url}", flush=True)
     try:
-        while True:
-            time.sleep(3600)
+        terminated.wait()
     except KeyboardInterrupt:
-        engine.stop()
+        pass
+    engine.begin_drain(abort=args.shutdown_timeout == 0)
+    deadline = time.monotonic() + (args.shutdown_timeout or 5.0)  # abort: time to send the aborted answers
+    while engine.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.stop()
 
 
 if __name__ == "__main__":

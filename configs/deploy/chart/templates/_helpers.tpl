@@ -9,7 +9,7 @@ enforce is checked here, so `helm template` and `helm install` refuse a broken c
   * GPUs per pod = the engine's world size (x data-parallel size on decode);
   * the prefill pod's memory = LMCache's L1 for the pod + prefill.memoryOverheadGi;
   * the config mount = the directory of LMCACHE_CONFIG_FILE in configs/prefill/env;
-  * prefill and decode name the same NIXL backends; LIBFABRIC needs nixlHostLibfabric;
+  * prefill and decode name the same NIXL backends;
   * the engine image is pinned by digest (unless allowUnpinnedImage), and so are Valkey's
     and the exporter's.
 */}}
@@ -123,7 +123,6 @@ tests/configs/test_deploy.py checks that it equals the Dockerfile's. */ -}}
 {{- $pb := include "glm53.nixlBackends" $prefill | fromJsonArray -}}
 {{- $db := include "glm53.nixlBackends" $decode | fromJsonArray -}}
 {{- include "glm53.need" (list (eq (toJson $pb) (toJson $db)) (printf "NIXL backends differ: %s uses %s, %s uses %s" $pf (toJson $pb) $df (toJson $db))) -}}
-{{- include "glm53.need" (list (or (not (has "LIBFABRIC" $pb)) $v.nixlHostLibfabric) (printf "%s: NIXL backend LIBFABRIC needs the node's libfabric with FABRIC_1.10: set nixlHostLibfabric (the AWS EFA installer's prefix, /opt/amazon/efa) or use UCX" $pf)) -}}
 
 {{- /* ranks and shards */ -}}
 {{- $pcp := include "glm53.opt" (list $prefill "prefill-context-parallel-size" $pf) | int64 -}}
