@@ -11,7 +11,9 @@
                                             FlashInfer artifacts, GPU, the model's config.json
     IMAGE self-test [--json] [--strict]     check the image without a GPU (one-screen report)
     IMAGE manifest | sbom                   print /opt/glm53/manifest.json or sbom.cdx.json
-    IMAGE pd-proxy [args]                   vLLM's NIXL P/D proxy (toy_proxy_server.py of the pinned sdist)
+    IMAGE pd-router [args]                  the P/D router the deployment runs (vllm-router:
+                                            python3 -m vllm_router.launch_router args)
+    IMAGE pd-proxy [args]                   vLLM's NIXL P/D toy proxy (toy_proxy_server.py of the pinned sdist)
     IMAGE replay|valkey-stats|needle|profile-capture|kv-sizing [args]   operator tools
     IMAGE bash|sh|python3|/abs/program ...  run that program
 """
@@ -79,6 +81,8 @@ def plan(args: list[str], environ: dict[str, str], home: Path = HOME, config_roo
     if head in ("manifest", "sbom"):
         path = home / ("manifest.json" if head == "manifest" else "sbom.cdx.json")
         return Plan(["cat", str(path)])
+    if head == "pd-router":
+        return Plan([sys.executable, "-m", "vllm_router.launch_router", *rest])
     if head == "pd-proxy":
         return Plan([sys.executable, str(home / "pd-proxy" / "toy_proxy_server.py"), *rest])
     if head in TOOLS:

@@ -53,10 +53,10 @@ HYBRID_WHY = ("GLM-5.3-Flash, vLLM 0.31.0's vllm/models/glm5next: a hybrid linea
               "serve it without these presets")
 REFUSED_ARCHITECTURES = {"Glm5NextForCausalLM": HYBRID_WHY, "Glm5NextForConditionalGeneration": HYBRID_WHY}
 NIXL_FIXES = {
-    "LIBFABRIC": "NIXL over EFA needs libfabric 2.x with the efa provider and FABRIC_1.10 (no libfabric release "
-                 "has it yet, so the image ships none: mount the node's AWS EFA installer prefix and put its lib "
-                 "and lib64 first on LD_LIBRARY_PATH) and the EFA devices (--device /dev/infiniband/...); on "
-                 "InfiniBand/RoCE set backends: [UCX] on both roles",
+    "LIBFABRIC": "NIXL over EFA loads the image's libfabric 2.1.0 (/opt/libfabric/lib, FABRIC_1.7, efa provider) "
+                 "and needs the EFA devices (--device /dev/infiniband/uverbs*, or the EFA device plugin's "
+                 "vpc.amazonaws.com/efa resource); a libfabric.so.1 put first on LD_LIBRARY_PATH (a host mount) "
+                 "must be 2.x; on InfiniBand/RoCE set backends: [UCX] on both roles",
     "UCX": "UCX is bundled in nixl-cu13: a derived image that removed nixl_cu13.libs or its plugins breaks it",
 }
 
@@ -190,15 +190,33 @@ def preset_nixl_backends(vllm_yaml: Path) -> list[str]:
     return found
 
 
-def check_nixl(backends: list[str], probe: Callable[[tuple[str, ...]], tuple[dict[str, str], str]]) -> Check:
+def check_nixl(backends: list[str], probe: Callable[[tuple[str, ...]], tuple[dict[str, str], str]],
+               devices: list[str] | None = None, gpu_visible: bool = True) -> Check:
+    """The preset's NIXL backends instantiate. On a GPU node LIBFABRIC also needs an RDMA device
+    (EFA): without one libfabric falls back to TCP over the pod network, silently. Where no GPU
+    is visible and there is no fabric at all (a CI container, --network=none), LIBFABRIC's plugin
+    loading without a rail to open is a warning, as the GPU checks are."""
     if not backends:
         return Check("nixl backends", "PASS", "the preset uses no NIXL connector")
+    from .selftest import NIXL_BACKEND_ERROR, fabric_devices
+
+    devices = fabric_devices() if devices is None else devices
     results, note = probe(tuple(backends))
     bad = {b: results.get(b, "not probed") for b in backends if results.get(b) != "ok"}
-    if bad:
+    no_fabric = {b for b, why in bad.items() if b == "LIBFABRIC" and NIXL_BACKEND_ERROR in why
+                 and not devices and not gpu_visible}
+    if set(bad) - no_fabric:
         return Check("nixl backends", "FAIL", "; ".join(f"{b}: {why}" for b, why in bad.items()),
                      " ".join(NIXL_FIXES.get(b, f"the NIXL plugin for {b}") for b in bad))
-    return Check("nixl backends", "PASS", f"{', '.join(backends)} instantiated" + (f" ({note})" if note else ""))
+    suffix = f" ({note})" if note else ""
+    if no_fabric:
+        return Check("nixl backends", "WARN", f"LIBFABRIC's plugin loaded but found no fabric to open a rail on "
+                     f"(no EFA device, only loopback, no GPU visible: GPU checks skipped){suffix}",
+                     NIXL_FIXES["LIBFABRIC"])
+    if "LIBFABRIC" in backends and gpu_visible and not any(d.startswith("uverbs") for d in devices):
+        return Check("nixl backends", "FAIL", "LIBFABRIC instantiated, but no RDMA device (/dev/infiniband/uverbs*) "
+                     "is in the container: NIXL would move the KV over TCP", NIXL_FIXES["LIBFABRIC"])
+    return Check("nixl backends", "PASS", f"{', '.join(backends)} instantiated{suffix}")
 
 
 def check_flashinfer_artifacts(environ: dict[str, str]) -> Check:
@@ -308,15 +326,16 @@ def run_checks(role: str, model: str | None, environ: dict[str, str], config_roo
     if probe is None:
         from .selftest import probe_nixl_backends as probe
     checks = [check_shm(role, shm), check_cache(cache), check_jit(environ)]
+    gpu = smi()
     vllm_yaml = config_root / role / "vllm.yaml"
     try:
         backends = preset_nixl_backends(vllm_yaml)
-        checks.append(check_nixl(backends, probe))
+        checks.append(check_nixl(backends, probe, gpu_visible=gpu is not None))
         checks.append(check_memlock(backends))
     except (OSError, ValueError) as exc:
         checks.append(Check("nixl backends", "FAIL", f"{vllm_yaml}: {exc}", "the image ships the presets in /etc/glm53"))
     checks.append(check_flashinfer_artifacts(environ))
-    checks.append(check_gpu(smi()))
+    checks.append(check_gpu(gpu))
     checks.append(check_model(model))
     return checks
 

@@ -11,7 +11,9 @@ on any WARN too):
 - LMCache's CUDA extension is installed;
 - FlashInfer resolves its fused-MoE module to the ahead-of-time build for
   sm_103a; when the build recorded that it could not make it, WARN with why;
-- ``ldd`` of the NIXL plugins finds every library (libfabric for LIBFABRIC);
+- ``ldd`` of the NIXL plugins finds every library (the image's libfabric 2.1.0 for
+  LIBFABRIC), ``fi_info -l`` lists the efa provider, and NIXL instantiates both
+  backends the presets select (LIBFABRIC and UCX);
 - vLLM sees FlashInfer: its own ``has_flashinfer()`` and
   ``has_flashinfer_trtllm_fused_moe()`` are True (else the presets' pinned MoE
   backend fails at start), and FlashInfer's ``get_cuda_path()`` resolves a
@@ -27,13 +29,16 @@ on any WARN too):
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.metadata as md
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -162,18 +167,20 @@ def check_aot(aot: dict, site: Path, resolve=flashinfer_aot_path) -> Check:
                  f"MISSING {AOT_MODULE} for {arch}: {reason}. {aot.get('consequence', '')}")
 
 
-# NIXL backends this distribution uses: UCX (bundled, with its ib_efa transport)
-# and LIBFABRIC (EFA; links the system libfabric.so.1). The wheel's other
-# plugins (GDS, GPUNETIO/DOCA, object stores, ...) load only when asked for and
-# may lack their vendor libraries: reported, not failed.
-NIXL_REQUIRED = ("UCX",)
-# NIXL over EFA. nixl-cu13 1.5.1's plugin needs libfabric's FABRIC_1.10 ABI, which only
-# libfabric's main branch has (added after v2.6.0); bookworm's 1.17 and Debian/Ubuntu's 2.1.0
-# stop earlier, so in the image it resolves only with the node's libfabric mounted
-# (configs/deploy nixl_host_libfabric). It also links libhwloc.so.15, libcudart.so.13 (torch's
-# nvidia wheels, loaded by torch before NIXL in vLLM's process) and the driver's libcuda.so.1.
-NIXL_HOST_LIBFABRIC = "LIBFABRIC"
-NIXL_LIBFABRIC_ABI = "FABRIC_1.10"
+# NIXL backends the presets select: LIBFABRIC (EFA, prefill and decode on p6-b300) and UCX
+# (bundled in the wheel; InfiniBand/RoCE). Both must load in the image. The wheel's other
+# plugins (GDS, GPUNETIO/DOCA, object stores, ...) load only when asked for and may lack their
+# vendor libraries: reported, not failed.
+NIXL_REQUIRED = ("UCX", "LIBFABRIC")
+# nixl-cu13 1.4.1's LIBFABRIC plugin links libfabric.so.1 at FABRIC_1.7 (bookworm's 1.17 stops
+# at FABRIC_1.5); the image carries libfabric 2.1.0 (the Dockerfile's libfabric stage) at
+# /opt/libfabric/lib. It also links libhwloc.so.15, libcudart.so.13 (torch's nvidia wheels,
+# loaded by torch before NIXL in vLLM's process) and the driver's libcuda.so.1.
+NIXL_LIBFABRIC = "LIBFABRIC"
+NIXL_LIBFABRIC_ABI = "FABRIC_1.7"
+IMAGE_LIBFABRIC = Path("/opt/libfabric/lib/libfabric.so.1")
+# libfabric providers NIXL over EFA needs (efa; shm for peers on one node) and the fallbacks.
+LIBFABRIC_PROVIDERS = ("efa", "shm", "tcp", "ofi_rxm", "verbs")
 # Provided on a GPU node by the NVIDIA container runtime, never by the image.
 DRIVER_LIBS = ("libcuda.so.1",)
 
@@ -211,37 +218,99 @@ print(json.dumps(out))
 """
 
 
+def driver_present() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def driver_stub_dir(cuda_home: str | None = None) -> Path | None:
+    """Without an NVIDIA driver (CI, a CPU node), a folder whose libcuda.so.1 is the toolkit's
+    link stub (every entry point returns CUDA_ERROR_STUB_LIBRARY), so that a plugin linking the
+    driver can be loaded and its backend created; None when there is no stub."""
+    stub = Path(cuda_home or os.environ.get("CUDA_HOME", "/opt/cuda")) / "lib64" / "stubs" / "libcuda.so"
+    if not stub.is_file():
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="glm53-driver-stub-"))
+    (folder / "libcuda.so.1").symlink_to(stub.resolve())
+    return folder
+
+
 def probe_nixl_backends(names: tuple[str, ...], python: str = sys.executable) -> tuple[dict[str, str], str]:
-    """Instantiate each NIXL backend in a fresh interpreter (no GPU needed for UCX): what the
-    NixlConnector does at start. Returns 'ok' or the error per backend, and a note when the
-    probe's interpreter died after answering (nixl-cu13 1.5.1 with a UCX backend ends in
-    SIGSEGV at interpreter exit in a container without RDMA devices)."""
-    proc = subprocess.run([python, "-c", NIXL_PROBE, *names], capture_output=True, text=True, timeout=120)
+    """Instantiate each NIXL backend in a fresh interpreter (no GPU needed): what the
+    NixlConnector does at start. Returns 'ok' or the error per backend, and a note: when the
+    driver is absent and the probe loaded the toolkit's libcuda stub instead, or when the
+    probe's interpreter died after answering (nixl-cu13 with a UCX backend can end in SIGSEGV
+    at interpreter exit in a container without RDMA devices)."""
+    env = dict(os.environ)
+    notes = []
+    stub = None if driver_present() else driver_stub_dir()
+    if stub is not None:
+        env["LD_LIBRARY_PATH"] = ":".join(filter(None, [str(stub), env.get("LD_LIBRARY_PATH")]))
+        notes.append("no NVIDIA driver here: libcuda.so.1 was the toolkit's link stub")
+    try:
+        proc = subprocess.run([python, "-c", NIXL_PROBE, *names], capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        if stub is not None:
+            shutil.rmtree(stub, ignore_errors=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
         tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        return {name: f"probe failed: {tail}" for name in names}, ""
-    note = ""
+        return {name: f"probe failed: {tail}" for name in names}, "; ".join(notes)
     if proc.returncode < 0:
-        note = f"the probe died by signal {-proc.returncode} at exit, after answering"
+        notes.append(f"the probe died by signal {-proc.returncode} at exit, after answering")
     elif proc.returncode > 0:
-        note = f"the probe exited {proc.returncode} after answering"
-    return json.loads(lines[-1]), note
+        notes.append(f"the probe exited {proc.returncode} after answering")
+    return json.loads(lines[-1]), "; ".join(notes)
+
+
+def fabric_devices(net: Path = Path("/sys/class/net"), infiniband: Path = Path("/dev/infiniband")) -> list[str]:
+    """What libfabric can open a NIXL rail on: RDMA devices (EFA, verbs) or a network interface
+    other than loopback (its tcp provider; under ``--network=none`` it cannot listen on lo)."""
+    found = [p.name for p in sorted(infiniband.glob("uverbs*"))] if infiniband.is_dir() else []
+    if net.is_dir():
+        found += [p.name for p in sorted(net.iterdir()) if p.name != "lo"]
+    return found
+
+
+# NIXL's answer when a plugin loaded but its engine could not be created (NIXL_ERR_NOT_FOUND: no plugin).
+NIXL_BACKEND_ERROR = "NIXL_ERR_BACKEND"
 
 
 def check_nixl_backends(results: dict[str, str], note: str = "", required: tuple[str, ...] = NIXL_REQUIRED,
-                        host_libfabric: str = NIXL_HOST_LIBFABRIC) -> Check:
+                        devices: list[str] | None = None) -> Check:
+    """Every preset backend instantiated: PASS. LIBFABRIC's plugin loaded but with nothing to open
+    a rail on (no EFA device and only loopback: a build or CI container with --network=none): WARN,
+    saying so; anything else: FAIL."""
     suffix = f" ({note})" if note else ""
-    bad = {n: r for n, r in results.items() if n in required and r != "ok"}
-    if bad:
+    bad = {n: results.get(n, "not probed") for n in required if results.get(n) != "ok"}
+    devices = fabric_devices() if devices is None else devices
+    no_fabric = {n for n, r in bad.items() if n == NIXL_LIBFABRIC and NIXL_BACKEND_ERROR in r and not devices}
+    if set(bad) - no_fabric:
         return Check("nixl backends", "FAIL", "; ".join(f"{n}: {r}" for n, r in bad.items()) + suffix)
-    ok = ", ".join(n for n in required if results.get(n) == "ok")
-    fabric = results.get(host_libfabric)
-    if fabric != "ok":
-        return Check("nixl backends", "WARN", f"{ok} instantiated; {host_libfabric}: {fabric} (it loads only with a "
-                     f"libfabric that has {NIXL_LIBFABRIC_ABI} and the NVIDIA driver's libcuda.so.1: see nixl "
-                     f"plugins ldd){suffix}")
-    return Check("nixl backends", "PASS", f"{ok}, {host_libfabric} instantiated by NIXL{suffix}")
+    if no_fabric:
+        ok = ", ".join(n for n in required if n not in no_fabric)
+        return Check("nixl backends", "WARN", f"{ok} instantiated by NIXL; LIBFABRIC's plugin loaded but found no "
+                     f"fabric to open a rail on ({results[NIXL_LIBFABRIC]}: no EFA device and only loopback here, "
+                     f"e.g. --network=none); with a network or the EFA devices it is created{suffix}")
+    return Check("nixl backends", "PASS", f"{', '.join(required)} instantiated by NIXL{suffix}")
+
+
+def check_libfabric_providers(fi_info: str = "fi_info") -> Check:
+    """The image's libfabric lists the EFA provider (and the ones NIXL falls back to); on a
+    node without EFA devices fi_info -l still lists every provider that was built."""
+    try:
+        proc = subprocess.run([fi_info, "-l"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check("libfabric providers", "FAIL", f"{fi_info} -l: {exc}")
+    listed = [line[:-1] for line in proc.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    missing = [p for p in LIBFABRIC_PROVIDERS if p not in listed]
+    if proc.returncode != 0 or missing:
+        return Check("libfabric providers", "FAIL",
+                     f"{fi_info} -l (exit {proc.returncode}) lacks {', '.join(missing) or '?'}: {', '.join(listed) or proc.stderr.strip()[-300:]}")
+    return Check("libfabric providers", "PASS", ", ".join(listed))
 
 
 def _plugin_name(path: Path) -> str:
@@ -276,45 +345,42 @@ def _unresolved(path: Path) -> list[str]:
 
 
 def check_ldd(plugins: list[Path], required: tuple[str, ...] = NIXL_REQUIRED,
-              host_libfabric: str = NIXL_HOST_LIBFABRIC) -> Check:
+              image_libfabric: Path = IMAGE_LIBFABRIC) -> Check:
     if not plugins:
         return Check("nixl plugins ldd", "FAIL", "no NIXL plugin (libplugin_*.so) found")
     names = sorted({_plugin_name(p) for p in plugins})
-    absent = [r for r in (*required, host_libfabric) if r not in names]
+    absent = [r for r in required if r not in names]
     if absent:
         return Check("nixl plugins ldd", "FAIL", f"required plugin(s) {', '.join(absent)} not in the wheel")
     missing_required: dict[str, list[str]] = {}
     missing_optional: dict[str, list[str]] = {}
-    fabric_missing: list[str] = []
     for plugin in plugins:
         name = _plugin_name(plugin)
         libs = _unresolved(plugin)
-        if not libs:
-            continue
-        if name == host_libfabric:
-            fabric_missing = libs
-        else:
+        if libs:
             (missing_required if name in required else missing_optional).setdefault(name, libs)
-    if missing_required:
-        text = "; ".join(f"{k}: {', '.join(v)}" for k, v in missing_required.items())
-        return Check("nixl plugins ldd", "FAIL", f"unresolved: {text}")
-    fabric = next(p for p in plugins if _plugin_name(p) == host_libfabric)
-    out = _ldd(fabric)
+    fabric = next((p for p in plugins if _plugin_name(p) == NIXL_LIBFABRIC), None)
+    out = _ldd(fabric) if fabric else ""
     hit = re.search(r"libfabric\.so\.1 => (\S+)", out)
+    if missing_required:
+        parts = []
+        for name, libs in missing_required.items():
+            version = re.search(r"version `([^']+)' not found", " ".join(libs))
+            if name == NIXL_LIBFABRIC and version:
+                parts.append(f"{name}: needs {version.group(1)}, which {hit.group(1) if hit else 'libfabric.so.1'} "
+                             f"lacks (the image's libfabric is {image_libfabric}: is another libfabric.so.1 "
+                             "first on LD_LIBRARY_PATH?)")
+            else:
+                parts.append(f"{name}: {', '.join(libs)}")
+        return Check("nixl plugins ldd", "FAIL", f"unresolved: {'; '.join(parts)}")
     driver = [lib for lib in DRIVER_LIBS if re.search(rf"{re.escape(lib)} => not found", out)]
     driver_note = f"; {', '.join(driver)} comes from the NVIDIA driver at run time" if driver else ""
     optional = (f"; optional plugins without their libraries: "
                 + ", ".join(f"{k} ({', '.join(v[:2])})" for k, v in sorted(missing_optional.items()))) if missing_optional else ""
-    ok = f"{', '.join(required)} resolve every library"
-    if fabric_missing:
-        version = re.search(r"version `([^']+)' not found", " ".join(fabric_missing))
-        need = f"needs {version.group(1)}, which {hit.group(1) if hit else 'libfabric.so.1'} lacks" if version \
-            else f"unresolved {', '.join(fabric_missing)}"
-        return Check("nixl plugins ldd", "WARN", f"{ok}; {host_libfabric} (NIXL over EFA) {need} (libfabric main "
-                     f"after v2.6.0): on EFA nodes mount the node's libfabric (configs/deploy nixl_host_libfabric, "
-                     f"first on LD_LIBRARY_PATH){driver_note}{optional}")
-    return Check("nixl plugins ldd", "PASS", f"{ok}; {host_libfabric}: libfabric.so.1 => "
-                 f"{hit.group(1) if hit else '?'}{driver_note}{optional}")
+    where = hit.group(1) if hit else "?"
+    origin = "" if Path(where) == image_libfabric or where == str(image_libfabric) else f" (not the image's {image_libfabric}: an override)"
+    return Check("nixl plugins ldd", "PASS", f"{', '.join(required)} resolve every library; {NIXL_LIBFABRIC}: "
+                 f"libfabric.so.1 => {where}{origin}{driver_note}{optional}")
 
 
 FLASHINFER_PROBE = """
@@ -422,11 +488,14 @@ def check_files(home: Path, config_root: Path) -> list[Check]:
         dists = {(re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(), d.version)
                  for d in md.distributions() if d.metadata["Name"]}
         debs = len(dpkg_installed(DPKG_STATUS.read_text())) if DPKG_STATUS.is_file() else 0
+        from .sbom import SOURCE_BUILT
+        built = sum(Path(e["path"]).is_file() for e in SOURCE_BUILT)
         status = "PASS" if sbom.get("bomFormat") == "CycloneDX" and n == len(dists) and kinds["deb"] == debs \
-            and kinds["bundled"] > 0 else "FAIL"
+            and kinds["bundled"] > 0 and kinds["source"] == built else "FAIL"
         out.append(Check("manifest+sbom", status, f"manifest schema {manifest.get('schema')}, CycloneDX "
                          f"{sbom.get('specVersion')}: {n} Python components for {len(dists)} installed packages, "
-                         f"{kinds['deb']} Debian for {debs} installed, {kinds['bundled']} native libraries bundled in wheels"))
+                         f"{kinds['deb']} Debian for {debs} installed, {kinds['bundled']} native libraries bundled in wheels, "
+                         f"{kinds['source']} built from source for {built} present"))
     except (OSError, ValueError, KeyError) as exc:
         out.append(Check("manifest+sbom", "FAIL", str(exc)))
     need = [config_root / r / "vllm.yaml" for r in ("prefill", "decode", "aggregated")]
@@ -472,8 +541,10 @@ def runtime_checks(home: Path, config_root: Path) -> list[Check]:
                         else "lmcache/cuda_ops*.so missing (built without BUILD_WITH_CUDA?)"))
     checks.append(check_aot(json.loads((home / "flashinfer-aot.json").read_text()), site))
     checks.append(check_ldd(nixl_plugins(site)))
-    checks.append(check_nixl_backends(*probe_nixl_backends((*NIXL_REQUIRED, NIXL_HOST_LIBFABRIC))))
+    checks.append(check_libfabric_providers())
+    checks.append(check_nixl_backends(*probe_nixl_backends(NIXL_REQUIRED)))
     checks.append(check_requirements())
+    checks.append(check_pd_router())
     checks.extend(check_files(home, config_root))
     checks.append(check_debian(home))
     checks.append(check_presets(config_root))
@@ -581,6 +652,29 @@ def not_installed(lock: Path) -> dict[str, str]:
         if match:
             found[match["name"].lower().replace("_", "-")] = match["why"]
     return found
+
+
+# The chart's P/D router (configs/deploy values router.vllmRouter.command) and the flags it renders.
+ROUTER_FLAGS = ("--vllm-pd-disaggregation", "--service-discovery", "--prefill-selector", "--decode-selector",
+                "--health-check-interval-secs")
+
+
+def check_pd_router(python: str = sys.executable) -> Check:
+    """vllm-router loads (its Rust extension) and takes the flags the chart passes it."""
+    try:
+        proc = subprocess.run([python, "-m", "vllm_router.launch_router", "--help"], capture_output=True,
+                              text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check("pd router", "FAIL", f"{python} -m vllm_router.launch_router: {exc}")
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        return Check("pd router", "FAIL", f"{python} -m vllm_router.launch_router --help: {tail}")
+    missing = [f for f in ROUTER_FLAGS if f not in proc.stdout]
+    if missing:
+        return Check("pd router", "FAIL", f"vllm-router {_installed_version('vllm-router') or '?'} lacks "
+                     f"{', '.join(missing)}, which the chart passes")
+    return Check("pd router", "PASS", f"vllm-router {_installed_version('vllm-router') or '?'}: "
+                 f"python3 -m vllm_router.launch_router takes the chart's flags")
 
 
 def check_requirements(python: str = sys.executable, lock: Path = HOME / "lock" / "image.txt") -> Check:

@@ -11,8 +11,11 @@ Two sources, both as vLLM 0.31.0 exposes them:
 - ``usage.prompt_tokens_details.cached_tokens`` of the answer, which vLLM sends
   only with ``--enable-prompt-tokens-details``. It counts vLLM's own GPU prefix
   cache as well as the connector, so it is used only where no counter can be
-  read; through a P/D proxy it is the decode engine's count, which includes
-  the NIXL transfer.
+  read. Through a P/D proxy it is the prefill engine's count, not NIXL's
+  transfer: vLLM 0.31.0's prefill scheduler returns its ``num_cached_tokens``
+  as ``remote_prefill_cached_tokens`` in ``kv_transfer_params``
+  (``v1/core/sched/scheduler.py``), and the decode engine reports that value
+  (``v1/engine/output_processor.py``).
 
 A phase that must be served from cache passes when the evidence covers the
 prompt but its last chunk: ``served >= prompt tokens - chunk tokens`` (LMCache
@@ -111,9 +114,9 @@ def judge(prompt_tokens: int, chunk_tokens: int, connector_hits: float | None, c
         detail = (f"the KV connector served {hits} of {prompt_tokens} tokens ({HITS_METRIC} on {metrics_where} "
                   f"rose by {hits}; at least {needed} needed): the cache did not serve the prompt")
         if cached_tokens is not None and cached_tokens >= needed:
-            detail += (f"; usage reports {cached_tokens} cached tokens, so vLLM's own prefix cache (or, through a "
-                       "P/D proxy, NIXL) served it, not LMCache: start vLLM with --no-enable-prefix-caching or "
-                       "pass --reset-prefix-cache")
+            detail += (f"; usage reports {cached_tokens} cached tokens, so vLLM's own prefix cache (through a "
+                       "P/D proxy: the prefill engine's) served it, not LMCache: start vLLM with "
+                       "--no-enable-prefix-caching or pass --reset-prefix-cache")
         return Verdict(False, detail)
     if cached_tokens is not None:
         if cached_tokens >= needed:

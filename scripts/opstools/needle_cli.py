@@ -57,7 +57,9 @@ phase fails and says which evidence was missing.
 Through a front end (vLLM's P/D toy proxy) that has no /tokenize, /health or
 /metrics, pass --engine-url of a prefill engine (tokenizer, model list,
 health, prefix-cache reset) and --metrics-url of every prefill engine: the
-decode engine's cached_tokens count NIXL's transfer, not LMCache.
+cached_tokens the proxy passes on are the prefill engine's (vLLM 0.31.0 returns
+them as remote_prefill_cached_tokens), vLLM's GPU prefix cache included, so
+only the connector's counter separates LMCache's hits.
 
 "Cold" works because the salt is the prompt's first line: vLLM's prefix cache
 and LMCache hash every block/chunk together with all tokens before it, so a
@@ -217,8 +219,9 @@ async def _hit_counter(session: Any, args: argparse.Namespace, engine_url: str) 
     if await counter.read() is not None:
         return counter
     _say(f"needle: {counter.urls[0]} serves no {HITS_METRIC} counter; phases l1/l2 are judged by the answers' "
-         "usage cached_tokens (vLLM needs --enable-prompt-tokens-details; through a P/D proxy these count NIXL's "
-         "transfer: pass --metrics-url of the prefill engines)")
+         "usage cached_tokens (vLLM needs --enable-prompt-tokens-details; through a P/D proxy they are the prefill "
+         "engine's own hits, vLLM's prefix cache included: pass --metrics-url of the prefill engines for the "
+         "connector's alone)")
     return None
 
 

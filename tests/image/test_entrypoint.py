@@ -74,6 +74,7 @@ def test_tools_self_test_and_documents() -> None:
     assert plan(["self-test", "--json"]).argv[1:] == ["-m", "imagectl.selftest", "--json"]
     assert plan(["replay", "run", "x"]).argv == [str(HOME / "scripts" / "replay"), "run", "x"]
     assert plan(["pd-proxy", "--port", "8000"]).argv[1:] == [str(HOME / "pd-proxy" / "toy_proxy_server.py"), "--port", "8000"]
+    assert plan(["pd-router", "--port", "8000"]).argv[1:] == ["-m", "vllm_router.launch_router", "--port", "8000"]
     assert plan(["sbom"]).argv == ["cat", str(HOME / "sbom.cdx.json")]
     assert plan([]).text and "prefill|decode|aggregated" in (plan([]).text or "")
     for tool in entrypoint.TOOLS:

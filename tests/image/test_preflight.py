@@ -157,10 +157,28 @@ def test_a_backend_that_does_not_instantiate_is_refused_with_the_plugin_named() 
     answer = {"LIBFABRIC": "nixlNotFoundError: NIXL_ERR_NOT_FOUND"}
     check = preflight.check_nixl(["LIBFABRIC"], lambda names: (answer, ""))
     assert check.status == "FAIL" and check.detail == "LIBFABRIC: nixlNotFoundError: NIXL_ERR_NOT_FOUND"
-    assert "libfabric 2.x" in check.fix and "backends: [UCX]" in check.fix
-    ok = preflight.check_nixl(["LIBFABRIC", "UCX"], lambda names: ({n: "ok" for n in names}, ""))
+    assert "libfabric 2.1.0 (/opt/libfabric/lib" in check.fix and "backends: [UCX]" in check.fix
+    every = lambda names: ({n: "ok" for n in names}, "")  # noqa: E731
+    ok = preflight.check_nixl(["LIBFABRIC", "UCX"], every, devices=["uverbs0", "eth0"])
     assert ok.status == "PASS" and ok.detail == "LIBFABRIC, UCX instantiated"
     assert preflight.check_nixl([], lambda names: pytest.fail("no probe without NIXL")).status == "PASS"
+
+
+def test_libfabric_on_a_gpu_node_needs_an_rdma_device_and_a_bare_container_only_warns() -> None:
+    """On a GPU node without the EFA devices libfabric would fall back to TCP over the pod network:
+    refused. A container with no GPU and no fabric at all (CI, --network=none; measured in the image:
+    the plugin loads, its tcp rail cannot listen on lo, NIXL_ERR_BACKEND) is a warning."""
+    every = lambda names: ({n: "ok" for n in names}, "")  # noqa: E731
+    tcp_only = preflight.check_nixl(["LIBFABRIC"], every, devices=["eth0"], gpu_visible=True)
+    assert tcp_only.status == "FAIL" and "no RDMA device (/dev/infiniband/uverbs*)" in tcp_only.detail
+    assert "--device /dev/infiniband/uverbs" in tcp_only.fix
+    assert preflight.check_nixl(["LIBFABRIC"], every, devices=["eth0"], gpu_visible=False).status == "PASS"
+    assert preflight.check_nixl(["UCX"], every, devices=["eth0"], gpu_visible=True).status == "PASS"
+    backend = lambda names: ({"LIBFABRIC": "nixlBackendError: NIXL_ERR_BACKEND"}, "")  # noqa: E731
+    bare = preflight.check_nixl(["LIBFABRIC"], backend, devices=[], gpu_visible=False)
+    assert bare.status == "WARN" and "found no fabric to open a rail on" in bare.detail
+    assert preflight.check_nixl(["LIBFABRIC"], backend, devices=[], gpu_visible=True).status == "FAIL"
+    assert preflight.check_nixl(["LIBFABRIC"], backend, devices=["eth0"], gpu_visible=False).status == "FAIL"
 
 
 def test_flashinfer_artifacts(tmp_path: Path) -> None:

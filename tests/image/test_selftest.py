@@ -147,11 +147,12 @@ def test_ldd_of_plugins_names_a_missing_library(tmp_path: Path) -> None:
     good = selftest.check_ldd(found)
     assert good.status == "PASS" and f"libfabric.so.1 => {dep}" in good.detail
     assert "optional plugins without their libraries: GPUNETIO (libdoca_gpunetio.so.2)" in good.detail
+    assert f"(not the image's {selftest.IMAGE_LIBFABRIC}: an override)" in good.detail
+    assert selftest.check_ldd(found, image_libfabric=dep).detail.count("an override") == 0
     dep.unlink()
-    # LIBFABRIC resolves only with the node's EFA libfabric: a WARN that says so, not a FAIL.
+    # The presets select LIBFABRIC on both roles and the image carries its libfabric: unresolved is a FAIL.
     efa = selftest.check_ldd(found)
-    assert efa.status == "WARN" and "LIBFABRIC (NIXL over EFA) unresolved libfabric.so.1" in efa.detail
-    assert "LD_LIBRARY_PATH" in efa.detail
+    assert efa.status == "FAIL" and efa.detail == "unresolved: LIBFABRIC: libfabric.so.1"
     assert selftest.check_ldd([p for p in found if "UCX" not in p.name]).detail.startswith("required plugin(s) UCX")
     assert selftest.check_ldd([p for p in found if "LIBFABRIC" not in p.name]).status == "FAIL"
     assert selftest.check_ldd([]).status == "FAIL"
@@ -159,14 +160,15 @@ def test_ldd_of_plugins_names_a_missing_library(tmp_path: Path) -> None:
     ucx = _cc(plugins, "libplugin_UCX.so", "int ucp(void); int u(void) { return ucp(); }\n", f"-L{tmp_path}", "-l:libucp.so.0")
     ucx_dep.unlink()
     bad = selftest.check_ldd(selftest.nixl_plugins(tmp_path))
-    assert bad.status == "FAIL" and bad.detail == "unresolved: UCX: libucp.so.0"
+    assert bad.status == "FAIL" and bad.detail == "unresolved: LIBFABRIC: libfabric.so.1; UCX: libucp.so.0"
     assert ucx.exists()
 
 
 def test_ldd_names_the_libfabric_abi_the_efa_plugin_needs(tmp_path: Path) -> None:
-    """What the image showed: nixl-cu13's LIBFABRIC plugin needs FABRIC_1.10 and Debian
-    bookworm's libfabric 1.17 exports up to FABRIC_1.6. Rebuilt here with symbol versions:
-    a plugin linked against a FABRIC_1.10 library, run against a FABRIC_1.6 one (real ldd)."""
+    """What the old image showed: Debian bookworm's libfabric 1.17 exports up to FABRIC_1.5, and
+    nixl-cu13 1.4.1's LIBFABRIC plugin needs FABRIC_1.7 (the image's libfabric 2.1.0 has up to
+    FABRIC_1.8). Rebuilt here with symbol versions: a plugin linked against a FABRIC_1.7 library,
+    then run against a FABRIC_1.5 one (real ldd)."""
     def libfabric(abi: str) -> Path:
         script = tmp_path / f"{abi}.map"
         script.write_text(f"{abi} {{ global: fi_version; local: *; }};\n")
@@ -176,15 +178,16 @@ def test_ldd_names_the_libfabric_abi_the_efa_plugin_needs(tmp_path: Path) -> Non
     plugins = tmp_path / ".nixl_cu13.mesonpy.libs" / "plugins"
     plugins.mkdir(parents=True)
     _cc(plugins.parent, "libnixl.so", "int n(void) { return 0; }\n")
-    libfabric("FABRIC_1.10")
+    libfabric(selftest.NIXL_LIBFABRIC_ABI)
     _cc(plugins, "libplugin_LIBFABRIC.so", "int fi_version(void); int p(void) { return fi_version(); }\n",
         f"-L{tmp_path}", "-l:libfabric.so.1", f"-Wl,-rpath,{tmp_path}")
     _cc(plugins, "libplugin_UCX.so", "int u(void) { return 0; }\n")
     assert selftest.check_ldd(selftest.nixl_plugins(tmp_path)).status == "PASS"
-    old = libfabric("FABRIC_1.6")
+    old = libfabric("FABRIC_1.5")
     check = selftest.check_ldd(selftest.nixl_plugins(tmp_path))
-    assert check.status == "WARN"
-    assert f"LIBFABRIC (NIXL over EFA) needs FABRIC_1.10, which {old} lacks" in check.detail
+    assert check.status == "FAIL"
+    assert f"LIBFABRIC: needs FABRIC_1.7, which {old} lacks" in check.detail
+    assert "first on LD_LIBRARY_PATH" in check.detail
 
 
 def test_ldd_takes_torchs_cuda_runtime_and_the_driver_as_the_process_has_them(tmp_path: Path) -> None:
@@ -214,8 +217,7 @@ def test_ldd_takes_torchs_cuda_runtime_and_the_driver_as_the_process_has_them(tm
     assert "libcuda.so.1 comes from the NVIDIA driver at run time" in check.detail
     cudart.unlink()   # the CUDA runtime is the image's to carry: its absence counts
     check = selftest.check_ldd(selftest.nixl_plugins(tmp_path))
-    assert check.status == "WARN" and "LIBFABRIC (NIXL over EFA) unresolved libcudart-test.so.13" in check.detail
-    assert "libcuda.so.1" not in check.detail.split("unresolved", 1)[1].split(":", 1)[0]
+    assert check.status == "FAIL" and check.detail == "unresolved: LIBFABRIC: libcudart-test.so.13"
 
 
 def test_aot_status(tmp_path: Path) -> None:
@@ -369,12 +371,83 @@ def test_nixl_backend_verdicts() -> None:
     """The decision on NIXL's own answers (the probe itself runs NIXL, which only the image has;
     make image's self-test and make image-check run it there)."""
     assert selftest.check_nixl_backends({"UCX": "ok", "LIBFABRIC": "ok"}).status == "PASS"
-    warn = selftest.check_nixl_backends({"UCX": "ok", "LIBFABRIC": "nixlNotFoundError: NIXL_ERR_NOT_FOUND"})
-    assert warn.status == "WARN" and "LIBFABRIC: nixlNotFoundError" in warn.detail and warn.detail.startswith("UCX")
+    efa = selftest.check_nixl_backends({"UCX": "ok", "LIBFABRIC": "nixlNotFoundError: NIXL_ERR_NOT_FOUND"})
+    assert efa.status == "FAIL" and efa.detail == "LIBFABRIC: nixlNotFoundError: NIXL_ERR_NOT_FOUND"
+    assert selftest.check_nixl_backends({"UCX": "ok"}).detail == "LIBFABRIC: not probed"
+    # The plugin loaded but libfabric had nothing to open a rail on (measured in the image under
+    # --network=none: tcp cannot listen on lo): a WARN only where no fabric device exists.
+    loaded = {"UCX": "ok", "LIBFABRIC": "nixlBackendError: NIXL_ERR_BACKEND"}
+    bare = selftest.check_nixl_backends(loaded, devices=[])
+    assert bare.status == "WARN" and bare.detail.startswith("UCX instantiated by NIXL; LIBFABRIC's plugin loaded")
+    assert "no EFA device and only loopback here" in bare.detail
+    assert selftest.check_nixl_backends(loaded, devices=["eth0"]).status == "FAIL"
+    assert selftest.check_nixl_backends(loaded, devices=["uverbs0"]).status == "FAIL"
+    assert selftest.check_nixl_backends({"UCX": "probe failed: x", "LIBFABRIC": "nixlBackendError: NIXL_ERR_BACKEND"},
+                                        devices=[]).status == "FAIL"
+
+
+def test_fabric_devices_are_rdma_devices_and_interfaces_other_than_loopback(tmp_path: Path) -> None:
+    net, ib = tmp_path / "net", tmp_path / "infiniband"
+    (net / "lo").mkdir(parents=True)
+    assert selftest.fabric_devices(net, ib) == []
+    (net / "eth0").mkdir()
+    ib.mkdir()
+    (ib / "uverbs0").touch()
+    (ib / "rdma_cm").touch()
+    assert selftest.fabric_devices(net, ib) == ["uverbs0", "eth0"]
     fail = selftest.check_nixl_backends({"UCX": "probe failed: ModuleNotFoundError", "LIBFABRIC": "ok"})
     assert fail.status == "FAIL" and "UCX: probe failed" in fail.detail
     noted = selftest.check_nixl_backends({"UCX": "ok", "LIBFABRIC": "ok"}, "the probe died by signal 11 at exit")
     assert noted.status == "PASS" and noted.detail.endswith("(the probe died by signal 11 at exit)")
+
+
+def test_without_a_driver_the_probe_loads_the_toolkits_libcuda_stub(tmp_path: Path, monkeypatch) -> None:
+    """The LIBFABRIC plugin links libcuda.so.1, which only a GPU node's driver brings: on a CPU
+    node the probe puts a libcuda.so.1 that is the toolkit's link stub first on the probe's
+    LD_LIBRARY_PATH (never on the engine's), says so, and removes it afterwards. A real
+    interpreter stands in for NIXL and reports what it was given."""
+    import sys
+
+    cuda = tmp_path / "cuda"
+    (cuda / "lib64" / "stubs").mkdir(parents=True)
+    stub = cuda / "lib64" / "stubs" / "libcuda.so"
+    stub.write_bytes(b"\x7fELF stub")
+    monkeypatch.setenv("CUDA_HOME", str(cuda))
+    monkeypatch.setattr(selftest, "driver_present", lambda: False)
+    seen = tmp_path / "seen.txt"
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nfirst=${LD_LIBRARY_PATH%%:*}\n"
+                    f"readlink -f \"$first/libcuda.so.1\" > {seen}; echo \"$first\" >> {seen}\n"
+                    f"{sys.executable} -c 'print(\"{{\\\"LIBFABRIC\\\": \\\"ok\\\"}}\")'\n")
+    fake.chmod(0o755)
+    results, note = selftest.probe_nixl_backends(("LIBFABRIC",), python=str(fake))
+    assert results == {"LIBFABRIC": "ok"}
+    assert note == "no NVIDIA driver here: libcuda.so.1 was the toolkit's link stub"
+    target, folder = seen.read_text().split()
+    assert target == str(stub.resolve()) and not Path(folder).exists()
+    monkeypatch.setattr(selftest, "driver_present", lambda: True)
+    _, note = selftest.probe_nixl_backends(("LIBFABRIC",), python=str(fake))
+    assert note == ""
+    assert selftest.driver_stub_dir(str(tmp_path / "no-cuda")) is None
+
+
+FI_INFO_L = "efa:\n    version: 201.0\nverbs:\n    version: 201.0\nofi_rxm:\n    version: 201.0\n" \
+            "shm:\n    version: 201.0\ntcp:\n    version: 201.0\nofi_hook_noop:\n    version: 201.0\n"
+
+
+def test_libfabric_providers_verdict(tmp_path: Path) -> None:
+    """fi_info -l as the image's libfabric 2.1.0 prints it (captured from the libfabric stage's
+    build); the real one runs in make image's self-test and make image-check."""
+    fi_info = tmp_path / "fi_info"
+    fi_info.write_text(f"#!/bin/sh\nprintf '{FI_INFO_L}'\n")
+    fi_info.chmod(0o755)
+    ok = selftest.check_libfabric_providers(str(fi_info))
+    assert ok.status == "PASS" and ok.detail == "efa, verbs, ofi_rxm, shm, tcp, ofi_hook_noop"
+    fi_info.write_text("#!/bin/sh\nprintf 'tcp:\\n    version: 120.0\\nshm:\\n'\n")
+    no_efa = selftest.check_libfabric_providers(str(fi_info))
+    assert no_efa.status == "FAIL" and "lacks efa, ofi_rxm, verbs: tcp, shm" in no_efa.detail
+    gone = selftest.check_libfabric_providers(str(tmp_path / "absent"))
+    assert gone.status == "FAIL" and "absent -l" in gone.detail
 
 
 def test_nixl_probe_answer_counts_even_if_the_interpreter_dies_after(tmp_path: Path) -> None:
@@ -458,3 +531,20 @@ def test_the_debian_check_fails_naming_a_package_off_its_lock(tmp_path: Path) ->
     home, status = _debian_home(tmp_path, "0.19.0-2")
     check = selftest.check_debian(home, status)
     assert check.status == "FAIL" and "tini 0.19.0-1 (lock: 0.19.0-2)" in check.detail
+
+
+def test_pd_router_check_runs_the_real_router_and_refuses_an_interpreter_without_it() -> None:
+    """The chart's router command (python3 -m vllm_router.launch_router) with the real vllm-router
+    (make test's DIST_VLLM_ROUTER venv), then an interpreter that lacks it."""
+    import os
+    import sys
+
+    router = os.environ.get("DIST_VLLM_ROUTER")
+    if not router or not Path(router).is_file():
+        pytest.skip("DIST_VLLM_ROUTER (make test installs vllm-router into work/venv-router) is not set")
+    python = str(Path(router).parent / "python")
+    ok = selftest.check_pd_router(python)
+    assert ok.status == "PASS", ok.detail
+    assert "python3 -m vllm_router.launch_router takes the chart's flags" in ok.detail
+    missing = selftest.check_pd_router(sys.executable)
+    assert missing.status == "FAIL" and "No module named 'vllm_router'" in missing.detail
