@@ -56,6 +56,13 @@ def test_tp2_rank_per_valkey(engines, tiny_model, tmp_path):
         extra["save_only_first_rank"] = False
         extra["remote_enable_mla_worker_id_as0"] = False
         spec.lmcache_config["lookup_server_worker_ids"] = list(range(RANKS))
+        # Two ranks on two cores, each pinned to one with its OpenMP threads: rank 1's
+        # first GET after a restart has taken over the preset's 5 s bound here (CI,
+        # "batched_get_non_blocking timed out", then a 4 s lookup miss). This test is
+        # about which instance each rank reads, not the preset's latency budget, so it
+        # gives them 30 s: a GET that never answers still fails it.
+        spec.lmcache_config["lookup_timeout_ms"] = 30_000
+        spec.lmcache_config["blocking_timeout_secs"] = 30
         first = engines.start(spec)
 
         cold = observe(first, valkeys, PROMPT)
