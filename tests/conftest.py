@@ -14,6 +14,7 @@ failure. The other tests are deselected in that mode.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -23,6 +24,9 @@ import pytest
 from tests.support.valkey import ValkeyServer, start_valkey
 
 TREE_ENV = "DIST_LMCACHE_TREE"
+# Where a collection writes {patch: [test files with its proofs]} (JSON) when set;
+# the leave-one-out phase then collects only those files per variant (testrun.py).
+PROOF_MAP_ENV = "DIST_PROOF_MAP"
 PATCHES = Path(__file__).resolve().parents[1] / "patches"
 
 
@@ -72,6 +76,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if left_out is not None and left_out not in known:
         raise pytest.UsageError(f"{TREE_ENV}={tree!r}: {left_out} is not listed in patches/*/series")
     deselected: list[pytest.Item] = []
+    proof_files: dict[str, set[str]] = {}
     for item in list(items):
         if item.get_closest_marker("gpu") is not None and not _has_cuda():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
@@ -81,6 +86,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 f"{item.nodeid}: @pytest.mark.fixes({', '.join(map(repr, marker.args))}) "
                 "does not name a patch listed in patches/*/series"
             )
+        if marker is not None:
+            proof_files.setdefault(marker.args[0], set()).add(item.nodeid.split("::", 1)[0])
         if left_out is not None:
             if marker is None or marker.args[0] != left_out:
                 deselected.append(item)
@@ -97,9 +104,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 reason=f"proof of {marker.args[0]}: must fail on the pristine tree",
             )
         )
+    if os.environ.get(PROOF_MAP_ENV):
+        _write_proof_map(Path(os.environ[PROOF_MAP_ENV]), proof_files)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if item not in deselected]
+
+
+def _write_proof_map(path: Path, proof_files: dict[str, set[str]]) -> None:
+    staging = path.with_name(path.name + ".partial")
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    staging.write_text(json.dumps({patch: sorted(files) for patch, files in sorted(proof_files.items())}, indent=1))
+    os.replace(staging, path)
 
 
 def _clip(text: str, head: int = 400, tail: int = 1200) -> str:

@@ -18,7 +18,9 @@ Phases:
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -39,6 +41,8 @@ PHASE_TIMEOUT_S = 40 * 60
 # this long instead of holding its phase until PHASE_TIMEOUT_S and CI's budget (pytest-timeout,
 # tests/requirements.txt; the longest test here takes ~3 min, test_build's own mark allows 1500 s).
 TEST_TIMEOUT_S = 900
+JOBS_ENV = "DIST_TEST_JOBS"
+DEFAULT_JOBS = 2
 
 
 @dataclass
@@ -50,14 +54,27 @@ class Outcome:
     returncode: int = 0
 
 
-def run_pytest(python: Path, args: list[str], cwd: Path, junit: Path, env: dict[str, str], label: str) -> Outcome:
+def run_pytest(python: Path, args: list[str], cwd: Path, junit: Path, env: dict[str, str], label: str,
+               log: Path | None = None) -> Outcome:
+    """One pytest run; its output goes to this process's stdout, or to ``log`` when given
+    (runs side by side, whose output would interleave)."""
     junit.parent.mkdir(parents=True, exist_ok=True)
     junit.unlink(missing_ok=True)
     cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEsxX",
            f"--junitxml={junit}", "-o", "junit_family=xunit2", "-o", f"timeout={TEST_TIMEOUT_S}", *args]
-    print(f"\n=== {label}: {' '.join(cmd)}", flush=True)
+    heading = f"=== {label}: {' '.join(cmd)}"
+    if log is None:
+        print(f"\n{heading}", flush=True)
     try:
-        result = subprocess.run(cmd, cwd=cwd, env=env, timeout=PHASE_TIMEOUT_S)
+        if log is None:
+            result = subprocess.run(cmd, cwd=cwd, env=env, timeout=PHASE_TIMEOUT_S)
+        else:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with log.open("w") as out:
+                out.write(heading + "\n")
+                out.flush()
+                result = subprocess.run(cmd, cwd=cwd, env=env, timeout=PHASE_TIMEOUT_S, stdout=out,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise DistBuildError(f"{label}: pytest ran past {PHASE_TIMEOUT_S} s and was stopped") from None
     outcome = parse_junit(junit) if junit.exists() else Outcome()
@@ -155,6 +172,16 @@ def regressed_peer(results: dict[str, Outcome]) -> set[str]:
     return base.passed - peer.passed
 
 
+def added_failed(peer: Outcome | None, added: list[str]) -> list[str]:
+    """Failures in the test files the series adds: no pristine baseline excuses them."""
+    if peer is None:
+        return []
+    modules = {path[:-len(".py")].replace("/", ".") for path in added}
+    # junit names a test by its module, or module.Class, as classname
+    return sorted(node for node in peer.failed
+                  if any(node.split("::", 1)[0] == m or node.startswith(f"{m}.") for m in modules))
+
+
 def _env(tree: str, work: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DIST_LMCACHE"))}
     env.update(extra or {})
@@ -164,40 +191,118 @@ def _env(tree: str, work: Path, extra: dict[str, str] | None = None) -> dict[str
     return env
 
 
+def leave_one_out_jobs() -> int:
+    """How many variants run side by side (DIST_TEST_JOBS, default 2): their proofs mostly wait on
+    timeouts and servers, so two share these machines' 2 cores without slowing each other much."""
+    raw = os.environ.get(JOBS_ENV, str(DEFAULT_JOBS))
+    try:
+        jobs = int(raw)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise DistBuildError(f"{JOBS_ENV}={raw!r}: expected a whole number of at least 1")
+    return jobs
+
+
+def read_proof_map(path: Path) -> dict[str, list[str]]:
+    """{patch: test files holding its proofs}, as tests/conftest.py wrote it in phase 1; {} if absent."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DistBuildError(f"{path}: not the proof map phase 2 writes ({exc})") from None
+    return {str(patch): [str(f) for f in files] for patch, files in data.items()}
+
+
+def _job_tmp(work: Path, name: str) -> str:
+    """A TMPDIR per run side by side (socket paths, engine workdirs)."""
+    tmp = work / "tmp" / name
+    tmp.mkdir(parents=True, exist_ok=True)
+    return str(tmp)
+
+
+def _log_tail(log: Path, lines: int = 80) -> str:
+    text = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    return "\n".join(text[-lines:])
+
+
 def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: list[str],
                       build_site: Callable[[leaveout.LeftOut], Path], paths: list[str],
-                      pytest_args: list[str], extra_env: dict[str, str]) -> tuple[Outcome, list[str]]:
-    """Phase 3: each patch's proofs against the series without that patch only."""
+                      pytest_args: list[str], extra_env: dict[str, str],
+                      proof_files: dict[str, list[str]] | None = None,
+                      pool: concurrent.futures.Executor | None = None) -> tuple[Outcome, list[str]]:
+    """Phase 3: each patch's proofs against the series without that patch only.
+
+    Variants run in ``pool`` (shared with phase 2; else a pool of their own),
+    each with its own TMPDIR and log (work/logs/leave-one-out/); a variant's log
+    is printed when it fails.
+    With ``proof_files`` (the proof map phase 1 writes) a variant collects only the files
+    that hold its patch's proofs instead of every test."""
     started = time.monotonic()
     series_file = repo / "patches" / "lmcache" / "series"
     declared = leaveout.declared_dependents(series_file)
     variants = leaveout.left_out_variants(tree, series, declared)
     problems = leaveout.check_declarations(variants, declared, series_file)
+    proof_files = proof_files or {}
+    jobs = leave_one_out_jobs()
+    print(f"\n=== phase 3/4: leave-one-out, {len(variants)} variants, {jobs} runs at a time "
+          f"(logs: {work / 'logs' / 'leave-one-out'})", flush=True)
     total = Outcome()
-    for number, variant in enumerate(variants, start=1):
+
+    def run_variant(number: int, variant: leaveout.LeftOut, site: Path) -> tuple[Outcome, float]:
+        stem = Path(variant.patch).stem
+        env = {**_env(f"without:{variant.patch}", work, {**extra_env, "PYTHONPATH": str(site)}),
+               "TMPDIR": _job_tmp(work, f"leave-one-out-{number}")}
+        files = proof_files.get(variant.patch) or paths
+        t0 = time.monotonic()
+        outcome = run_pytest(python, [*files, "-m", "fixes", *pytest_args], repo,
+                             work / "test-results" / "leave-one-out" / f"{variant.patch}.xml", env,
+                             f"phase 3/4: without {variant.patch}", log=work / "logs" / "leave-one-out" / f"{stem}.log")
+        return outcome, time.monotonic() - t0
+
+    def judge(number: int, variant: leaveout.LeftOut, outcome: Outcome, seconds: float) -> None:
         label = f"phase 3/4: leave-one-out {number}/{len(variants)}, without {variant.patch}"
         if variant.dependents:
             label += f" (and {', '.join(variant.dependents)}, which build on it)"
-        if variant.undeclared:
-            print(f"\n=== {label}: not run (undeclared dependents)", flush=True)
-            continue
-        site = build_site(variant)
-        env = _env(f"without:{variant.patch}", work, {**extra_env, "PYTHONPATH": str(site)})
-        outcome = run_pytest(python, [*paths, "-m", "fixes", *pytest_args], repo,
-                             work / "test-results" / "leave-one-out" / f"{variant.patch}.xml", env, label)
+        found: list[str] = []
         if outcome.returncode not in (0, 1, 5):
-            problems.append(f"phase 3: pytest could not run the proofs of {variant.patch} (exit "
-                            f"{outcome.returncode}; see above)")
+            found.append(f"phase 3: pytest could not run the proofs of {variant.patch} (exit "
+                         f"{outcome.returncode}; see its log below)")
         elif outcome.returncode == 5 or not outcome.xfailed | outcome.failed:
-            problems.append(f"phase 3: {variant.patch} has no proof (no test marked fixes({variant.patch!r}))")
+            found.append(f"phase 3: {variant.patch} has no proof (no test marked fixes({variant.patch!r}))")
         elif outcome.failed:
-            problems.append(f"phase 3: {len(outcome.failed)} proof(s) of {variant.patch} did not fail for "
-                            f"their stated reason without it: " + ", ".join(sorted(outcome.failed)[:5]))
+            found.append(f"phase 3: {len(outcome.failed)} proof(s) of {variant.patch} did not fail for "
+                         f"their stated reason without it: " + ", ".join(sorted(outcome.failed)[:5]))
+        log = work / "logs" / "leave-one-out" / f"{Path(variant.patch).stem}.log"
+        print(f"{label}: {len(outcome.xfailed)} proof(s) failed for their stated reason, "
+              f"{len(outcome.failed)} did not, {seconds:.0f} s", flush=True)
+        if found:
+            print(f"--- {log} (last lines)\n{_log_tail(log)}\n---", flush=True)
+        problems.extend(found)
         for name in ("passed", "failed", "skipped", "xfailed"):
             getattr(total, name).update(getattr(outcome, name))
+
+    with contextlib.ExitStack() as stack:
+        if pool is None:
+            pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(max_workers=jobs))
+        pending: dict[concurrent.futures.Future, tuple[int, leaveout.LeftOut]] = {}
+        for number, variant in enumerate(variants, start=1):
+            if variant.undeclared:
+                print(f"phase 3/4: leave-one-out {number}/{len(variants)}, without {variant.patch}: "
+                      f"not run (undeclared dependents)", flush=True)
+                continue
+            # Sites are built here, one at a time (a variant with compiled changes builds a wheel),
+            # while earlier variants' proofs run.
+            site = build_site(variant)
+            pending[pool.submit(run_variant, number, variant, site)] = (number, variant)
+        for future in concurrent.futures.as_completed(pending):
+            number, variant = pending[future]
+            outcome, seconds = future.result()
+            judge(number, variant, outcome, seconds)
     print(f"\nleave-one-out: {len(variants)} variants ({sum(bool(v.dependents) for v in variants)} with "
           f"dependents left out too), {len(total.xfailed)} proofs failed for their stated reason, "
-          f"{len(total.failed)} did not, in {time.monotonic() - started:.0f} s", flush=True)
+          f"{len(total.failed)} did not, in {time.monotonic() - started:.0f} s ({jobs} runs at a time)", flush=True)
     return total, problems
 
 
@@ -214,35 +319,59 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
     pristine_env = _env("pristine", work, {**(extra_env or {}), **envs["pristine"]})
     paths = paths or ["tests"]
     pytest_args = [a for a in pytest_args if a != "--"]
-    results["patched"] = run_pytest(python, [*paths, *pytest_args], repo, junit / "patched.xml", patched_env, "phase 1/4: project tests, patched LMCache")
+    seconds: dict[str, float] = {}
+    # Phase 1 collects every test; it writes which files hold each patch's proofs for phase 3.
+    proof_map = junit / "proof-map.json"
+    proof_map.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    results["patched"] = run_pytest(python, [*paths, *pytest_args], repo, junit / "patched.xml",
+                                    {**patched_env, "DIST_PROOF_MAP": str(proof_map)},
+                                    "phase 1/4: project tests, patched LMCache")
+    seconds["1"] = time.monotonic() - t0
     if results["patched"].returncode != 0:
         problems.append(f"phase 1: {len(results['patched'].failed)} project test(s) failed on the patched tree")
 
-    proofs = run_pytest(python, [*paths, "-m", "fixes", *pytest_args], repo, junit / "pristine.xml", pristine_env, "phase 2/4: patch proofs, pristine LMCache")
+    # Phases 2 and 3 share one pool: the pristine proofs run beside the first variants.
+    jobs = leave_one_out_jobs()
+    phase2_log = work / "logs" / "phase-2-pristine-proofs.log"
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        print(f"\n=== phase 2/4: patch proofs, pristine LMCache (log: {phase2_log})", flush=True)
+        phase2 = pool.submit(run_pytest, python, [*paths, "-m", "fixes", *pytest_args], repo, junit / "pristine.xml",
+                             {**pristine_env, "TMPDIR": _job_tmp(work, "phase-2")},
+                             "phase 2/4: patch proofs, pristine LMCache", phase2_log)
+        if leave_one_out is not None:
+            series, build_site = leave_one_out
+            # The engine proofs start vLLM from the engine venv with the variant's
+            # LMCache first on PYTHONPATH, as phase 2 does with the pristine build;
+            # the deployment's chaos proof renders the chart with Helm (and its router tests run vllm-router).
+            engine = {k: v for k, v in envs["patched"].items()
+                      if k in ("DIST_ENGINE_PYTHON", "DIST_HELM", "DIST_PROMTOOL", "DIST_VLLM_ROUTER")}
+            left, left_problems = run_leave_one_out(repo, work, python, tree, series, build_site, paths,
+                                                    pytest_args, {**(extra_env or {}), **engine},
+                                                    proof_files=read_proof_map(proof_map), pool=pool)
+            results["leave-one-out"] = left
+            problems.extend(left_problems)
+        else:
+            problems.append("phase 3: skipped (--no-leave-one-out): a partial run")
+        proofs = phase2.result()
+    seconds["2+3"] = time.monotonic() - t0
     results["pristine"] = proofs
-    if proofs.returncode not in (0, 5):
+    failed_phase2 = proofs.returncode not in (0, 5)
+    print(f"\n=== phase 2/4 (ran beside phase 3): {len(proofs.xfailed)} proofs failed on pristine as they must, "
+          f"{len(proofs.failed)} did not; {'its log' if failed_phase2 else 'the end of its log'}:\n"
+          f"{_log_tail(phase2_log, 200 if failed_phase2 else 4)}", flush=True)
+    if failed_phase2:
         problems.append(f"phase 2: {len(proofs.failed)} proof(s) did not fail on the pristine tree (strict xfail)")
 
-    if leave_one_out is not None:
-        series, build_site = leave_one_out
-        # The engine proofs start vLLM from the engine venv with the variant's
-        # LMCache first on PYTHONPATH, as phase 2 does with the pristine build;
-        # the deployment's chaos proof renders the chart with Helm (and its router tests run vllm-router).
-        engine = {k: v for k, v in envs["patched"].items()
-                  if k in ("DIST_ENGINE_PYTHON", "DIST_HELM", "DIST_PROMTOOL", "DIST_VLLM_ROUTER")}
-        left, left_problems = run_leave_one_out(repo, work, python, tree, series, build_site, paths,
-                                                pytest_args, {**(extra_env or {}), **engine})
-        results["leave-one-out"] = left
-        problems.extend(left_problems)
-    else:
-        problems.append("phase 3: skipped (--no-leave-one-out): a partial run")
-
     suite = read_list(repo / "tests" / "peer" / "suite.txt")
+    added: list[str] = []
     if not peer:
         problems.append("phase 4: skipped (--no-peer): a partial run")
     elif not suite:
         problems.append("phase 4: tests/peer/suite.txt is empty; the peer suite did not run")
     else:
+        t0 = time.monotonic()
         with peer_valkey(python, work) as services:
             pristine_dir = peer_tests_dir(tree, work, "pristine", PRISTINE_REF)
             base = run_pytest(python, [*suite, *pytest_args], pristine_dir, junit / "peer-pristine.xml",
@@ -251,6 +380,7 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
             added = series_test_files(tree)
             peer = run_pytest(python, [*suite, *added, *pytest_args], patched_dir, junit / "peer.xml",
                               {**patched_env, **services}, "phase 4/4: LMCache's own CPU tests, patched LMCache")
+        seconds["4"] = time.monotonic() - t0
         results["peer"] = peer
         results["peer-pristine"] = base
         record = work / "test-results" / "peer-pristine-passed.txt"
@@ -261,6 +391,10 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
         if regressed:
             problems.append(f"phase 4: {len(regressed)} upstream test(s) that pass on pristine do not pass on patched: "
                             + ", ".join(regressed[:10]))
+        ours_failed = added_failed(peer, added)
+        if ours_failed:
+            problems.append(f"phase 4: {len(ours_failed)} test(s) the series adds to LMCache's tests/ fail on "
+                            "patched: " + ", ".join(ours_failed[:10]))
         print(f"\npeer suite: {len(base.passed)} passed on pristine ({len(base.failed)} failed, "
               f"{len(base.skipped)} skipped; list in {record}); {len(base.passed & peer.passed)} of those pass on "
               f"patched; patched adds {len(peer.passed - base.passed)} passing test(s) from {len(added)} new file(s)")
@@ -270,9 +404,9 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
     # A peer test that fails on both builds is upstream's, not ours: it is
     # reported, and only regressions against pristine count as failures.
     failed = (len(results["patched"].failed) + len(proofs.failed) + len(left.failed)
-              + len(regressed_peer(results)))
+              + len(regressed_peer(results)) + len(added_failed(results.get("peer"), added)))
     skipped = sum(len(o.skipped) for o in results.values())
-    print("\nsummary:")
+    print("\nsummary (" + ", ".join(f"phase {n} {t / 60:.1f} min" for n, t in seconds.items()) + "):")
     print(f"  phase 1 project tests (patched): {len(results['patched'].passed)} passed, "
           f"{len(results['patched'].failed)} failed, {len(results['patched'].skipped)} skipped")
     print(f"  phase 2 patch proofs (pristine): {len(proofs.xfailed)} failed as they must, "
@@ -285,7 +419,8 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
         b = results["peer-pristine"]
         print(f"  phase 4 LMCache CPU suite: pristine {len(b.passed)} passed, {len(b.failed)} failed, "
               f"{len(b.skipped)} skipped; patched {len(p.passed)} passed, {len(p.failed)} failed, "
-              f"{len(p.skipped)} skipped; {len(regressed_peer(results))} regression(s)")
+              f"{len(p.skipped)} skipped; {len(regressed_peer(results))} regression(s), "
+              f"{len(added_failed(p, added))} failure(s) in the series' own test files")
     for problem in problems:
         print(f"FAILED {problem}")
     print(f"test: {passed} passed, {failed} failed, {skipped} skipped")

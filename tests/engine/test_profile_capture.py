@@ -169,3 +169,18 @@ def test_window_names_the_missing_profiler_of_the_real_engine(shared_prefill, tm
     assert done.returncode == 2, done.stdout + done.stderr
     assert "/start_profile: HTTP 404, the engine serves no profiling endpoints" in done.stderr, done.stderr
     assert """--profiler-config '{"profiler": "cuda"}'""" in done.stderr
+
+
+@pytest.mark.engine
+def test_a_request_that_does_not_answer_reports_the_engines_stacks(shared_prefill):
+    """The harness's timeout report (tests/support/engine.py _post): a request cut off by
+    its timeout fails with py-spy stacks of the engine's processes, not only its log."""
+    from tests.support.engine import EngineError
+
+    server = shared_prefill.server
+    with pytest.raises(EngineError) as failure:
+        # 1 ms: the request cannot answer in time, and the engine serves it on after the client left
+        server.completion(PROMPT[:64], max_tokens=4, timeout_s=0.001)
+    report = str(failure.value)
+    assert "the engine's stacks at the timeout:" in report
+    assert "VLLM::EngineCore" in report and "vllm.entrypoints.openai.api_server" in report, report[-3000:]

@@ -26,6 +26,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -43,6 +44,7 @@ ENGINE_PYTHON_ENV = "DIST_ENGINE_PYTHON"
 NIXL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 STARTUP_TIMEOUT_S = 240.0   # one engine start (~25-40 s on two idle cores)
 SUPPORT = Path(__file__).resolve().parent
+REPO = SUPPORT.parents[1]
 PLUGIN_PACKAGE = "dist_cpu_connector"
 PLUGIN_LINE = "dist CPU connector: stand-in for LMCache's GPU copy"
 
@@ -198,6 +200,21 @@ class EngineServer:
         self.check_healthy()
         return Completion(tokens, choice["logprobs"]["top_logprobs"], details.get("cached_tokens"), seconds)
 
+    def capture_stacks(self, timeout_s: float = 120.0) -> str:
+        """py-spy dumps of every engine process (scripts/profile-capture pyspy), for a request
+        that did not answer: where each process waits. Returns their text, or why there is none."""
+        out = self.log_path.with_name(f"{self.log_path.stem}-stacks-{time.strftime('%H%M%S')}")
+        try:
+            done = subprocess.run([sys.executable, str(REPO / "scripts/profile-capture"), "pyspy",
+                                   "--root-pid", str(self.process.pid), "--out", str(out)],
+                                  capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+        except subprocess.TimeoutExpired:
+            return f"(no stacks: profile-capture pyspy ran past {timeout_s} s)"
+        dumps = sorted((out / "pyspy").glob("*.txt"))
+        if done.returncode != 0 or not dumps:
+            return f"(no stacks: profile-capture pyspy exited {done.returncode}: {(done.stdout + done.stderr)[-1500:]})"
+        return "\n".join(f"--- {path}\n{path.read_text(errors='replace')[:6000]}" for path in dumps)
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the whole process group (API server, engine core, workers), then SIGKILL."""
         if self.process.poll() is None:
@@ -229,8 +246,10 @@ def _post(url: str, body: dict, timeout_s: float, server: EngineServer) -> dict:
         raise EngineError(f"{server.spec.label}: {url} answered {error.code}: "
                           f"{error.read().decode(errors='replace')[:2000]}\n{server.tail()}") from None
     except (urllib.error.URLError, TimeoutError) as error:
+        # A request that never answers: where the engine's processes wait says why.
+        stacks = server.capture_stacks() if server.process.poll() is None else "(the engine had exited)"
         raise EngineError(f"{server.spec.label}: {url} failed after {timeout_s} s or less: {error}\n"
-                          f"{server.tail()}") from None
+                          f"{server.tail()}\nthe engine's stacks at the timeout:\n{stacks}") from None
 
 
 def _ready(url: str) -> bool:

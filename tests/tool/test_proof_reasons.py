@@ -136,3 +136,28 @@ def test_pins(gpu):
     assert False
 """)
     result.assert_outcomes(skipped=1)
+
+
+def test_a_collection_writes_which_files_hold_each_patch_proofs(pytester, monkeypatch, tmp_path):
+    # Phase 1 writes it; phase 3 then collects only these files per variant (testrun.read_proof_map).
+    import json
+
+    proof_map = tmp_path / "proof-map.json"
+    monkeypatch.setenv("DIST_PROOF_MAP", str(proof_map))
+    pytester.makepyfile(test_other=f"""
+import pytest
+
+@pytest.mark.fixes({OTHER!r}, fails_with="x")
+def test_other():
+    pass
+""")
+    result = run(pytester, monkeypatch, "patched", """
+@pytest.mark.fixes(PATCH, fails_with="x")
+def test_pins():
+    pass
+
+def test_plain():
+    pass
+""")
+    result.assert_outcomes(passed=3)
+    assert json.loads(proof_map.read_text()) == {OTHER: ["test_other.py"], PATCH: ["test_proof.py"]}

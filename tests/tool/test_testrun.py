@@ -1,0 +1,41 @@
+"""Pieces of ``make test``'s runner (build/distbuild/testrun.py) that decide what counts."""
+from __future__ import annotations
+
+import pytest
+
+from distbuild import testrun
+from distbuild.errors import DistBuildError
+
+
+def test_a_failure_in_a_test_file_the_series_adds_counts_though_pristine_has_no_baseline():
+    peer = testrun.Outcome(failed={
+        "tests.v1.lookup_client.test_lookup_timeout_metrics::test_sync",
+        "tests.v1.test_new.TestThing::test_method",
+        "tests.v1.test_upstream::test_flaky_on_both",
+    })
+    added = ["tests/v1/lookup_client/test_lookup_timeout_metrics.py", "tests/v1/test_new.py"]
+    assert testrun.added_failed(peer, added) == [
+        "tests.v1.lookup_client.test_lookup_timeout_metrics::test_sync",
+        "tests.v1.test_new.TestThing::test_method",
+    ]
+    assert testrun.added_failed(None, added) == []
+
+
+def test_a_module_whose_name_extends_an_added_one_is_not_counted():
+    peer = testrun.Outcome(failed={"tests.v1.test_new_other::test_x"})
+    assert testrun.added_failed(peer, ["tests/v1/test_new.py"]) == []
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "two", ""])
+def test_bad_jobs_value_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv(testrun.JOBS_ENV, raw)
+    with pytest.raises(DistBuildError, match=f"{testrun.JOBS_ENV}="):
+        testrun.leave_one_out_jobs()
+
+
+def test_a_corrupt_proof_map_names_the_file(tmp_path):
+    path = tmp_path / "proof-map.json"
+    path.write_text("{not json")
+    with pytest.raises(DistBuildError, match=str(path)):
+        testrun.read_proof_map(path)
+    assert testrun.read_proof_map(tmp_path / "absent.json") == {}
