@@ -185,8 +185,10 @@ def added_failed(peer: Outcome | None, added: list[str]) -> list[str]:
 def _env(tree: str, work: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DIST_LMCACHE"))}
     env.update(extra or {})
+    # DIST_ENGINE_TMPDIR: one temp dir for every phase's engines, so that Inductor's C++ header and
+    # kernels compiled for one run serve the runs side by side (tests/support/engine.py)
     env.update(DIST_LMCACHE_TREE=tree, PYTHONHASHSEED="0", PYTHONDONTWRITEBYTECODE="1",
-               TMPDIR=str(work / "tmp"))
+               TMPDIR=str(work / "tmp"), DIST_ENGINE_TMPDIR=str(work / "tmp" / "engine"))
     (work / "tmp").mkdir(parents=True, exist_ok=True)
     return env
 
@@ -213,6 +215,14 @@ def read_proof_map(path: Path) -> dict[str, list[str]]:
     except json.JSONDecodeError as exc:
         raise DistBuildError(f"{path}: not the proof map phase 2 writes ({exc})") from None
     return {str(patch): [str(f) for f in files] for patch, files in data.items()}
+
+
+def _names(nodes: set[str], most: int = 10) -> str:
+    """': a, b, ...' for a problem line: CI shows the end of the log, where the summary is."""
+    if not nodes:
+        return ""
+    shown = sorted(nodes)[:most]
+    return ": " + ", ".join(shown) + (f" and {len(nodes) - most} more" if len(nodes) > most else "")
 
 
 def _job_tmp(work: Path, name: str) -> str:
@@ -329,7 +339,8 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
                                     "phase 1/4: project tests, patched LMCache")
     seconds["1"] = time.monotonic() - t0
     if results["patched"].returncode != 0:
-        problems.append(f"phase 1: {len(results['patched'].failed)} project test(s) failed on the patched tree")
+        problems.append(f"phase 1: {len(results['patched'].failed)} project test(s) failed on the patched tree"
+                        + _names(results["patched"].failed))
 
     # Phases 2 and 3 share one pool: the pristine proofs run beside the first variants.
     jobs = leave_one_out_jobs()
@@ -362,7 +373,8 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
           f"{len(proofs.failed)} did not; {'its log' if failed_phase2 else 'the end of its log'}:\n"
           f"{_log_tail(phase2_log, 200 if failed_phase2 else 4)}", flush=True)
     if failed_phase2:
-        problems.append(f"phase 2: {len(proofs.failed)} proof(s) did not fail on the pristine tree (strict xfail)")
+        problems.append(f"phase 2: {len(proofs.failed)} proof(s) did not fail on the pristine tree (strict xfail)"
+                        + _names(proofs.failed))
 
     suite = read_list(repo / "tests" / "peer" / "suite.txt")
     added: list[str] = []

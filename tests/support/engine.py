@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -38,6 +39,10 @@ import yaml
 from tests.support.valkey import ValkeyServer, free_loopback_port
 
 ENGINE_PYTHON_ENV = "DIST_ENGINE_PYTHON"
+# The engines' TMPDIR, when set (make test sets work/tmp/engine for every phase): Inductor keeps
+# its precompiled C++ header under the temp dir whatever TORCHINDUCTOR_CACHE_DIR says, so engines
+# of runs side by side (each with a TMPDIR of its own) share what one compiled (warm_compile_cache).
+ENGINE_TMPDIR_ENV = "DIST_ENGINE_TMPDIR"
 # vLLM 0.31.0's NIXL handshake listener binds VLLM_NIXL_SIDE_CHANNEL_PORT (default
 # 5600) plus the engine's data-parallel index, in the engine core
 # (nixl/base_scheduler.py); no kv_connector_extra_config key moves it.
@@ -260,6 +265,30 @@ def _ready(url: str) -> bool:
         return False
 
 
+def engine_temp_env() -> dict[str, str]:
+    """TMPDIR and Inductor's cache for engine processes: under DIST_ENGINE_TMPDIR when set."""
+    shared = os.environ.get(ENGINE_TMPDIR_ENV)
+    if not shared:
+        return {}
+    Path(shared).mkdir(parents=True, exist_ok=True)
+    # vLLM's and LMCache's IPC sockets stay in this run's own temp dir
+    return {"TMPDIR": shared, "TORCHINDUCTOR_CACHE_DIR": str(Path(shared) / "torchinductor"),
+            "VLLM_RPC_BASE_PATH": tempfile.gettempdir()}
+
+
+def warm_compile_cache(python: Path, vocab_sizes: tuple[int, ...], timeout_s: float = 600.0) -> str:
+    """Compile vLLM's logprobs kernel into the engines' Inductor cache before any request needs
+    it (tests/support/warm_compile_cache.py): cold, it takes a request past its timeout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTEST_"))}
+    env.update(engine_temp_env())
+    done = subprocess.run([str(python), str(SUPPORT / "warm_compile_cache.py"), *map(str, vocab_sizes)],
+                          capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO)
+    if done.returncode != 0:
+        raise EngineError(f"warming the engines' Inductor cache failed (exit {done.returncode}):\n"
+                          f"{(done.stdout + done.stderr)[-3000:]}")
+    return done.stdout.strip()
+
+
 def engine_env(spec: EngineSpec, workdir: Path) -> dict[str, str]:
     """The engine's environment: this one less VLLM_/LMCACHE_/PYTEST_ variables, the
     plugin on PYTHONPATH, LMCache's file, ``spec.env``, and a NIXL side-channel port
@@ -270,6 +299,7 @@ def engine_env(spec: EngineSpec, workdir: Path) -> dict[str, str]:
     # PYTHONPATH may already select an LMCache build (the pristine one, a
     # leave-one-out variant); the plugin folder comes after it.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), site) if p)
+    env.update(engine_temp_env())
     env.update(PYTHONUNBUFFERED="1", PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                LMCACHE_TRACK_USAGE="false")

@@ -39,3 +39,10 @@ def test_a_corrupt_proof_map_names_the_file(tmp_path):
     with pytest.raises(DistBuildError, match=str(path)):
         testrun.read_proof_map(path)
     assert testrun.read_proof_map(tmp_path / "absent.json") == {}
+
+
+def test_a_problem_line_names_the_failed_tests():
+    assert testrun._names(set()) == ""
+    assert testrun._names({"b::t", "a::t"}) == ": a::t, b::t"
+    many = {f"m::t{i:02d}" for i in range(12)}
+    assert testrun._names(many).endswith("m::t09 and 2 more")
