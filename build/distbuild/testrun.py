@@ -194,7 +194,7 @@ def _env(tree: str, work: Path, extra: dict[str, str] | None = None) -> dict[str
 
 
 def leave_one_out_jobs() -> int:
-    """How many variants run side by side (DIST_TEST_JOBS, default 2): their proofs mostly wait on
+    """How many pytest runs of phases 2 and 3 go side by side (DIST_TEST_JOBS, default 2): proofs mostly wait on
     timeouts and servers, so two share these machines' 2 cores without slowing each other much."""
     raw = os.environ.get(JOBS_ENV, str(DEFAULT_JOBS))
     try:
@@ -213,7 +213,7 @@ def read_proof_map(path: Path) -> dict[str, list[str]]:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise DistBuildError(f"{path}: not the proof map phase 2 writes ({exc})") from None
+        raise DistBuildError(f"{path}: not the proof map phase 1 writes ({exc})") from None
     return {str(patch): [str(f) for f in files] for patch, files in data.items()}
 
 
