@@ -56,7 +56,8 @@ NIXL_FIXES = {
     "LIBFABRIC": "NIXL over EFA loads the image's libfabric 2.1.0 (/opt/libfabric/lib, FABRIC_1.7, efa provider) "
                  "and needs the EFA devices (--device /dev/infiniband/uverbs*, or the EFA device plugin's "
                  "vpc.amazonaws.com/efa resource); a libfabric.so.1 put first on LD_LIBRARY_PATH (a host mount) "
-                 "must be 2.x; on InfiniBand/RoCE set backends: [UCX] on both roles",
+                 "must be 2.x; on InfiniBand/RoCE set backends: [UCX] on both roles (the chart: nixlBackends: [UCX], "
+                 "configs/deploy/examples/infiniband.yaml)",
     "UCX": "UCX is bundled in nixl-cu13: a derived image that removed nixl_cu13.libs or its plugins breaks it",
 }
 

@@ -710,3 +710,106 @@ def test_engine_pods_run_the_images_preflight_first_with_the_engines_devices(doc
     for key in ("env", "resources", "securityContext", "volumeMounts"):
         assert init[key] == engine[key], key
     assert "initContainers" not in by(render_cell("preflight=false"), "StatefulSet", f"glm53-{role}")["spec"]["template"]["spec"]
+
+
+# --- InfiniBand: nixlBackends and the example values file --------------------------------------
+
+INFINIBAND = DEPLOY / "examples" / "infiniband.yaml"
+
+
+def _nixl_backends_of_rendered(docs, tmp_path) -> dict[str, list[str]]:
+    """What the image's preflight reads from each role's mounted vllm.yaml (the ConfigMap)."""
+    sys.path.insert(0, str(CONFIGS.parent / "scripts"))
+    try:
+        from imagectl import preflight
+    finally:
+        sys.path.pop(0)
+    found = {}
+    for role in ("prefill", "decode"):
+        path = tmp_path / role / "vllm.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(by(docs, "ConfigMap", f"glm53-{role}-config")["data"]["vllm.yaml"])
+        found[role] = preflight.preset_nixl_backends(path)
+    return found
+
+
+def _without_nixl_backends(cfg):
+    """A vllm.yaml's parsed form with every `backends` key dropped."""
+    if isinstance(cfg, dict):
+        return {k: _without_nixl_backends(v) for k, v in cfg.items() if k != "backends"}
+    if isinstance(cfg, list):
+        return [_without_nixl_backends(v) for v in cfg]
+    return cfg
+
+
+def test_infiniband_example_renders_ucx_without_efa(tmp_path, no_network):
+    """The InfiniBand values file over the defaults: UCX in both roles' mounted vllm.yaml (read
+    with the preflight's own function), nothing else of the configs changed, the RDMA device
+    plugin's resource instead of EFA's, and no AWS instance-type selector left from the defaults."""
+    docs = render.render(sets(), values=[INFINIBAND])
+    assert _validate_all(docs) == ENGINE_KINDS
+    assert _nixl_backends_of_rendered(docs, tmp_path) == {"prefill": ["UCX"], "decode": ["UCX"]}
+    for role in ("prefill", "decode"):
+        rendered = yaml.safe_load(by(docs, "ConfigMap", f"glm53-{role}-config")["data"]["vllm.yaml"])
+        preset = yaml.safe_load((CONFIGS / role / "vllm.yaml").read_text())
+        assert _without_nixl_backends(rendered) == _without_nixl_backends(preset)
+        sts = by(docs, "StatefulSet", f"glm53-{role}")
+        limits = container(sts)["resources"]["limits"]
+        assert limits.get("rdma/rdma_shared_device_a") == 1 and "vpc.amazonaws.com/efa" not in limits, limits
+        selector = sts["spec"]["template"]["spec"]["nodeSelector"]
+        assert "node.kubernetes.io/instance-type" not in selector and "nvidia.com/gpu.product" in selector
+    shard_selector = by(docs, "StatefulSet", "valkey-lmcache")["spec"]["template"]["spec"]["nodeSelector"]
+    assert "node.kubernetes.io/instance-type" not in shard_selector
+
+
+def test_default_cell_keeps_the_presets_libfabric(docs, tmp_path):
+    assert _nixl_backends_of_rendered(docs, tmp_path) == {"prefill": ["LIBFABRIC"], "decode": ["LIBFABRIC"]}
+
+
+def test_nixl_backends_value_sets_every_listed_backend(tmp_path):
+    docs = render_cell("nixlBackends={UCX,LIBFABRIC}")
+    assert _nixl_backends_of_rendered(docs, tmp_path) == {"prefill": ["UCX", "LIBFABRIC"],
+                                                          "decode": ["UCX", "LIBFABRIC"]}
+
+
+def test_nixl_backends_change_rolls_the_pods():
+    def sha(docs, role):
+        return by(docs, "StatefulSet", f"glm53-{role}")["spec"]["template"]["metadata"]["annotations"]
+
+    before, after = render_cell(), render_cell("nixlBackends={UCX}")
+    for role in ("prefill", "decode"):
+        assert sha(before, role) != sha(after, role)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("nixlBackends={TCP}", "nixlBackends.0: value must be one of"),
+    ("nixlBackends={UCX,UCX}", "nixlBackends: items at 0 and 1 are equal"),
+])
+def test_unknown_or_repeated_nixl_backend_is_refused(value, message):
+    with pytest.raises(render.RenderError) as err:
+        render_cell(value)
+    assert message in str(err.value)
+
+
+def test_nixl_backends_needs_one_backends_line_per_config(tmp_path):
+    configs = _configs_copy(tmp_path)
+    path = configs / "decode" / "vllm.yaml"
+    path.write_text(path.read_text() + "# backends: [LIBFABRIC] was tried\n")
+    with pytest.raises(render.RenderError) as err:
+        render_cell("nixlBackends={UCX}", chart=_chart(configs))
+    assert ("nixlBackends: configs/decode/vllm.yaml has 2 `backends: [...]` lines, so the chart cannot tell "
+            "which to set") in str(err.value)
+
+
+def test_nixl_backends_line_must_be_the_nixl_connectors(tmp_path):
+    """A config whose only backends line is not the NixlConnector's: the override is refused
+    rather than rendered with the connector left on its old backend."""
+    configs = _configs_copy(tmp_path)
+    path = configs / "prefill" / "vllm.yaml"
+    text = path.read_text()
+    assert text.count("backends: [LIBFABRIC]") == 1
+    path.write_text(text.replace("backends: [LIBFABRIC]", "kv_buffer_size: 1") + "# backends: [LIBFABRIC]\n")
+    with pytest.raises(render.RenderError) as err:
+        render_cell("nixlBackends={LIBFABRIC}", chart=_chart(configs))
+    assert ("nixlBackends: the `backends: [...]` line of configs/prefill/vllm.yaml is not its NixlConnector's "
+            '(after setting it, the connector uses ["UCX"])') in str(err.value)

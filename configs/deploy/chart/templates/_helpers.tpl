@@ -9,7 +9,7 @@ enforce is checked here, so `helm template` and `helm install` refuse a broken c
   * GPUs per pod = the engine's world size (x data-parallel size on decode);
   * the prefill pod's memory = LMCache's L1 for the pod + prefill.memoryOverheadGi;
   * the config mount = the directory of LMCACHE_CONFIG_FILE in configs/prefill/env;
-  * prefill and decode name the same NIXL backends;
+  * prefill and decode name the same NIXL backends (nixlBackends sets them in both files);
   * the engine image is pinned by digest (unless allowUnpinnedImage), and so are Valkey's
     and the exporter's.
 */}}
@@ -120,6 +120,19 @@ tests/configs/test_deploy.py checks that it equals the Dockerfile's. */ -}}
 {{- $prefillMount := dir $configFile -}}
 {{- $decodeMount := printf "%s/decode" (dir $prefillMount) -}}
 
+{{- /* nixlBackends: one `backends: [...]` line per vllm.yaml, rewritten in both roles */ -}}
+{{- if $v.nixlBackends -}}
+{{- $line := printf "backends: [%s]" (join ", " $v.nixlBackends) -}}
+{{- $re := "backends: \\[[A-Za-z0-9_, ]*\\]" -}}
+{{- $np := len (regexFindAll $re $prefillText -1) -}}{{- $nd := len (regexFindAll $re $decodeText -1) -}}
+{{- include "glm53.need" (list (eq $np 1) (printf "nixlBackends: %s has %d `backends: [...]` lines, so the chart cannot tell which to set; keep exactly one (the NixlConnector's)" $pf $np)) -}}
+{{- include "glm53.need" (list (eq $nd 1) (printf "nixlBackends: %s has %d `backends: [...]` lines, so the chart cannot tell which to set; keep exactly one (the NixlConnector's)" $df $nd)) -}}
+{{- $prefillText = regexReplaceAll $re $prefillText $line -}}
+{{- $decodeText = regexReplaceAll $re $decodeText $line -}}
+{{- $prefill = fromYaml $prefillText -}}{{- $decode = fromYaml $decodeText -}}
+{{- $set := include "glm53.nixlBackends" $prefill -}}
+{{- include "glm53.need" (list (eq $set (toJson $v.nixlBackends)) (printf "nixlBackends: the `backends: [...]` line of %s is not its NixlConnector's (after setting it, the connector uses %s)" $pf $set)) -}}
+{{- end -}}
 {{- $pb := include "glm53.nixlBackends" $prefill | fromJsonArray -}}
 {{- $db := include "glm53.nixlBackends" $decode | fromJsonArray -}}
 {{- include "glm53.need" (list (eq (toJson $pb) (toJson $db)) (printf "NIXL backends differ: %s uses %s, %s uses %s" $pf (toJson $pb) $df (toJson $db))) -}}
