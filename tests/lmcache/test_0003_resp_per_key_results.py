@@ -259,13 +259,17 @@ def test_full_hit_batch_is_returned_whole(make_env):
     env.assert_back_at_baseline()
 
 
-PAUSE_MS = 5000
+PAUSE_MS = 7500
 
 
 @pytest.mark.fixes(TIMEOUT_PATCH, fails_with=r"a buffer leaked \(above\) or was freed twice")
 @pytest.mark.parametrize("path", ["blocking", "non-blocking"])
 def test_timed_out_get_frees_its_buffers_only_once_the_native_get_completes(make_env, path):
-    env = make_env(blocking_timeout_secs=1)  # an int in LMCache config
+    # an int in LMCache config. The native workers (0024) give up after 2 x this without progress,
+    # which must come after the pause ends: the GET then completes when the server answers.
+    blocking_timeout_secs = 4
+    env = make_env(blocking_timeout_secs=blocking_timeout_secs)
+    assert 2 * blocking_timeout_secs * 1000 > PAUSE_MS
     for i in range(3):
         env.store(i)
     keys = [env.key(i) for i in range(3)]
