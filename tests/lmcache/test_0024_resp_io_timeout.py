@@ -20,35 +20,25 @@ connector and native client (the Env of test_0003), on an event loop thread.
 """
 from __future__ import annotations
 
-import os
 import random
-import signal
 import time
 
 import pytest
 
-from tests.lmcache.test_0003_resp_per_key_results import CHUNK_BYTES, Env, chunk_bytes
-from tests.lmcache.test_0019_resp_stalled_lookup import stalled, timed
+from tests.lmcache.test_0003_resp_per_key_results import CHUNK_BYTES, chunk_bytes
+# env: 0019's RemoteBackend on the test's Valkey with blocking_timeout_secs = BLOCKING_TIMEOUT_S
+from tests.lmcache.test_0019_resp_stalled_lookup import BLOCKING_TIMEOUT_S, env, stalled, timed  # noqa: F401
 
 PATCH = "0024-resp-connector-fail-commands-on-a-silent-server.patch"
 HELD = r"(stayed held|stayed in flight) while the server was stalled"
 
 pytestmark = pytest.mark.lmcache
 
-BLOCKING_TIMEOUT_S = 2          # an int in LMCache config
 IO_TIMEOUT_S = 2 * BLOCKING_TIMEOUT_S   # what the patch derives from it
 # after the native command's timeout: its worker's reconnect backoff, the
 # executor and the allocator, on two busy cores
 SLACK_S = 3.0
 RECOVER_S = 5.0                 # the worker's reconnect backoff is at most 2 s
-
-
-@pytest.fixture
-def env(valkey):
-    env = Env(valkey, BLOCKING_TIMEOUT_S)
-    yield env
-    os.kill(valkey.process.pid, signal.SIGCONT)  # if a failed test left it stopped
-    env.close()
 
 
 def wait_until(condition, deadline: float) -> bool:
