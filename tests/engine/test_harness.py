@@ -1,10 +1,11 @@
 """The engine harness's environment (no engine needed): every engine its own NIXL side-channel port."""
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
-from tests.support.engine import NIXL_PORT_ENV, EngineSpec, engine_env
+from tests.support.engine import NIXL_PORT_ENV, EngineSpec, absolute_pythonpath, engine_env
 
 MODEL = Path("/models/tiny")
 
@@ -31,3 +32,13 @@ def test_every_engine_gets_a_free_nixl_side_channel_port(tmp_path, monkeypatch):
 def test_a_spec_that_names_its_nixl_port_keeps_it(tmp_path):
     spec = EngineSpec(MODEL, {}, env={NIXL_PORT_ENV: "23456"})
     assert engine_env(spec, tmp_path)[NIXL_PORT_ENV] == "23456"
+
+
+def test_the_engine_imports_from_the_folders_the_test_does(tmp_path, monkeypatch):
+    # the engine runs in its own work dir: a relative entry must not change meaning there
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "build").mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["build", "/opt/lmcache-variant", ""]))
+    entries = engine_env(EngineSpec(MODEL, {}, cpu_connector=False), tmp_path / "engine")["PYTHONPATH"].split(os.pathsep)
+    assert entries == [str(tmp_path / "build"), "/opt/lmcache-variant", str(tmp_path)]
+    assert absolute_pythonpath("") == ""

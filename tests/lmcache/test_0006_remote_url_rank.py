@@ -50,7 +50,9 @@ class RecordingRESPClient:
 
     created: list["RecordingRESPClient"] = []
 
-    def __init__(self, host, port, num_workers, loop=None, username="", password=""):
+    # The native client's signature, io_timeout_ms (0024) included: an argument
+    # it does not take makes the connector fail to connect.
+    def __init__(self, host, port, num_workers, loop=None, username="", password="", io_timeout_ms=0):
         self.host = host
         self.port = port
         RecordingRESPClient.created.append(self)

@@ -37,7 +37,9 @@ CHILD_BOUND_S = 30   # a patched child takes about 5 s, most of it imports
 # EngineCore's scheduler side, reduced: vLLM's KV event publisher and LMCache's
 # async lookup client on the process-wide ZMQ context, then the connector's close().
 CHILD = r"""
+import linecache
 import sys
+import time
 from vllm.distributed.kv_events import ZmqEventPublisher
 from lmcache.v1.lookup_client.lmcache_async_lookup_client import LMCacheAsyncLookupClient
 from lmcache.v1.rpc_utils import get_zmq_context
@@ -52,6 +54,26 @@ metadata.role = "scheduler"
 # as EngineCore's scheduler makes it for --kv-events-config '{"publisher": "zmq", ...}'
 publisher = ZmqEventPublisher(0, endpoint=endpoint, topic="kv-events")
 client = LMCacheAsyncLookupClient(config, metadata)
+
+def response_thread_waiting_on_its_socket():
+    # The thread's Python frame in process_responses_from_workers sits on the
+    # recv() (pristine) or poll() (patched) call while it waits: it is in the loop.
+    frame = sys._current_frames().get(client.thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "process_responses_from_workers":
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+            return ".recv(" in line or ".poll(" in line
+        frame = frame.f_back
+    return False
+
+# close() right after the constructor can set running=False before the thread
+# reaches its loop; it then exits by itself and close() has nothing to race.
+deadline = time.monotonic() + 10
+while not response_thread_waiting_on_its_socket():
+    if time.monotonic() > deadline:
+        sys.exit("the response thread never waited on its socket")
+    time.sleep(0.01)
+print("response thread waiting on its socket", flush=True)
 close_pull_socket = client.pull_socket.close
 
 def closing_pull_socket(*args, **kwargs):
@@ -97,6 +119,7 @@ def test_lookup_client_close_returns_beside_vllms_kv_event_publisher(tmp_path):
 def test_lookup_client_close_waits_for_its_response_thread(tmp_path):
     """close() joins the response thread before it closes the thread's socket."""
     lines, ended = close_beside_publisher(tmp_path)
+    assert "response thread waiting on its socket" in lines, f"the race was not set up (child {ended}; it said {lines})"
     said = [line for line in lines if line.startswith("closing the pull socket")]
     assert said, f"close() never closed the response socket (child {ended}; it said {lines})"
     assert said == ["closing the pull socket, response thread alive=False"], (

@@ -289,6 +289,17 @@ def warm_compile_cache(python: Path, vocab_sizes: tuple[int, ...], timeout_s: fl
     return done.stdout.strip()
 
 
+def absolute_pythonpath(value: str) -> str:
+    """``value`` with each entry made absolute against this process's directory. The
+    engine runs in its own work dir, where a relative entry (``PYTHONPATH=build``)
+    names another folder: the engine would import from elsewhere than the test does
+    (launched that way, the shared prefill engine once sat silent until its start timed
+    out). An empty entry means this directory, as Python reads it."""
+    if not value:
+        return ""
+    return os.pathsep.join(os.path.abspath(entry) if entry else os.getcwd() for entry in value.split(os.pathsep))
+
+
 def engine_env(spec: EngineSpec, workdir: Path) -> dict[str, str]:
     """The engine's environment: this one less VLLM_/LMCACHE_/PYTEST_ variables, the
     plugin on PYTHONPATH, LMCache's file, ``spec.env``, and a NIXL side-channel port
@@ -298,7 +309,8 @@ def engine_env(spec: EngineSpec, workdir: Path) -> dict[str, str]:
     site = str(plugin_site(workdir / "plugin-site")) if spec.cpu_connector else None
     # PYTHONPATH may already select an LMCache build (the pristine one, a
     # leave-one-out variant); the plugin folder comes after it.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), site) if p)
+    inherited = absolute_pythonpath(os.environ.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (inherited, site) if p)
     env.update(engine_temp_env())
     env.update(PYTHONUNBUFFERED="1", PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
