@@ -303,7 +303,29 @@ def test_gpu_pods(docs, role, gpus, memory):
     # Non-root, no added capabilities (IPC_LOCK would not reach uid 1000's effective set).
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 1000
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                    "readOnlyRootFilesystem": True}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engines_write_only_to_their_volumes(docs, role):
+    """A read-only root (the preflight too): /tmp and the image's HOME are emptyDirs, beside /cache,
+    /dev/shm and the metrics folder; nothing else the engine can write."""
+    spec = by(docs, "StatefulSet", f"glm53-{role}")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["tmp"]["emptyDir"] == {"sizeLimit": "16Gi"} and volumes["home"]["emptyDir"] == {"sizeLimit": "1Gi"}
+    for c in [*spec["containers"], *spec.get("initContainers", [])]:
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True, c["name"]
+        writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+        assert writable == {"/tmp", "/home/serve", "/cache", "/dev/shm", "/run/glm53-prometheus"}, c["name"]
+    assert {c["name"] for c in spec["initContainers"]} == {"preflight"}
+
+
+def test_engine_root_may_be_writable_again():
+    docs = render_cell("engineFiles.readOnlyRoot=false", "engineFiles.tmpSize=64Gi")
+    spec = by(docs, "StatefulSet", "glm53-prefill")["spec"]["template"]["spec"]
+    assert spec["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is False
+    assert {v["name"]: v for v in spec["volumes"]}["tmp"]["emptyDir"] == {"sizeLimit": "64Gi"}
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -506,6 +528,8 @@ def test_valkey_image_without_a_digest_is_refused():
     ([*sets(), "valkeySpec.maxMemory=lots"], "valkeySpec.maxMemory: "),
     ([*sets(), "valkeySpec.maxMemoryPolicy=lru"], "valkeySpec.maxMemoryPolicy: "),
     ([*sets(), "shmSize=lots"], "shmSize: "),
+    ([*sets(), "engineFiles.tmpSize=lots"], "engineFiles.tmpSize: "),
+    ([*sets(), "engineFiles.readOnly=true"], "additional properties 'readOnly' not allowed"),
 ])
 def test_bad_values(values, message):
     with pytest.raises(render.RenderError) as err:

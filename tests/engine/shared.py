@@ -11,6 +11,10 @@ configs/prefill on the CPU overlay, plus what these scenarios need on top:
   of one real Valkey (rank 0's: at TP 1 the preset's ``{rank}`` template names
   that one instance; a concrete URL because the ``{rank}`` template is patch
   0006 and the pristine build must reach the same Valkey in the proofs);
+* a read-only root, as the chart runs the engines (``readOnlyRootFilesystem``):
+  only HOME, the caches and the temp folder are writable and /tmp is a tmpfs
+  (tests/support/read_only_root.py), so every scenario on this engine shows
+  that vLLM and LMCache serve without writing anywhere else;
 * a fixed port, so a restart (needle's l2 phase) keeps the URL (its NIXL
   side-channel port, like every engine's, is the harness's: engine_env).
 
@@ -39,6 +43,7 @@ class SharedPrefill:
         self.spec = cpu_overlay.cpu_spec("prefill", model, free_port_block(1), label="prefill-shared",
                                          api_port=self.api_port)
         self.spec.lmcache_config["remote_url"] = self.proxy.url
+        self.spec.read_only_root = True
         if self.spec.vllm_config.get("enable-prompt-tokens-details") is not True:
             raise EngineError("configs/prefill/vllm.yaml: enable-prompt-tokens-details is not true; the "
                               "tools' cached_tokens evidence needs it")

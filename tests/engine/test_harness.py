@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
+from tests.support import read_only_root
 from tests.support.engine import NIXL_PORT_ENV, EngineSpec, absolute_pythonpath, engine_env
 
 MODEL = Path("/models/tiny")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free(port: int) -> bool:
@@ -42,3 +46,23 @@ def test_the_engine_imports_from_the_folders_the_test_does(tmp_path, monkeypatch
     entries = engine_env(EngineSpec(MODEL, {}, cpu_connector=False), tmp_path / "engine")["PYTHONPATH"].split(os.pathsep)
     assert entries == [str(tmp_path / "build"), "/opt/lmcache-variant", str(tmp_path)]
     assert absolute_pythonpath("") == ""
+
+
+def test_a_read_only_root_engine_writes_only_its_folders(tmp_path):
+    """The launcher of read_only_root engines: the named folder and /tmp (a tmpfs of its own)
+    take writes; everything else (here the repository, never under /tmp) answers EROFS."""
+    writable = tmp_path / "home"
+    writable.mkdir()
+    in_tmp = f"/tmp/read-only-root-{os.getpid()}"
+    outside = REPO / f".read-only-root-{os.getpid()}"
+    script = (f"touch {writable}/ok && touch {in_tmp} && grep -c ' /tmp .* - tmpfs ' /proc/self/mountinfo; "
+              f"touch {outside}")
+    try:
+        done = subprocess.run(read_only_root.command(sys.executable, [str(writable)], ["sh", "-c", script]),
+                              capture_output=True, text=True, timeout=30)
+        assert (writable / "ok").exists() and not outside.exists(), done.stderr
+    finally:
+        outside.unlink(missing_ok=True)
+    assert done.stdout.strip() == "1", done.stdout
+    assert "Read-only file system" in done.stderr and done.returncode != 0, done.stderr
+    assert not Path(in_tmp).exists()   # written to the engine's own tmpfs, gone with it

@@ -359,3 +359,37 @@ def test_nixl_creates_both_preset_backends_in_the_image(image):
     assert checks["nixl backends"]["status"] == "PASS", checks["nixl backends"]
     assert checks["nixl backends"]["detail"].startswith("UCX, LIBFABRIC instantiated by NIXL")
     assert "libcuda.so.1 was the toolkit's link stub" in checks["nixl backends"]["detail"]
+
+
+def test_the_image_runs_with_the_charts_read_only_root(image, tmp_path):
+    """As the chart runs an engine (engineFiles): root read-only, /tmp and HOME empty, /cache a
+    volume, uid 1000 gid 0. The self-test passes, FlashInfer's JIT builds a real sm_103a module
+    into /cache (the image's FLASHINFER_WORKSPACE_BASE) and Triton its launcher stub under /tmp;
+    every write outside those folders is refused, which the last line shows."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o777)
+    chart_files = ("--read-only", "--read-only-tmpfs=false", "--tmpfs=/tmp:rw,mode=1777",
+                   "--tmpfs=/home/serve:rw,mode=1777", f"--volume={cache}:/cache", "--user=1000:0")
+    done = run_image(image, "self-test", "--json", network="none", extra=chart_files)
+    checks = {c["name"]: c for c in json.loads(done.stdout)}
+    failed = {n: c["detail"] for n, c in checks.items() if c["status"] == "FAIL"}
+    assert done.returncode == 0 and not failed, failed
+    assert checks["writable caches"]["status"] == "PASS", checks["writable caches"]
+    code = ("import json, os, tempfile, triton, triton.runtime.build as b\n"
+            "from flashinfer.jit.dsv3_optimizations import gen_concat_mla_module\n"
+            "spec = gen_concat_mla_module(); spec.build(verbose=False)\n"
+            "nv = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia')\n"
+            "d = tempfile.mkdtemp(); src = os.path.join(d, 'main.c')\n"
+            "open(src, 'w').write(open(os.path.join(nv, 'driver.c')).read())\n"
+            "stub = b._build('cuda_utils', src, d, [], [os.path.join(nv, 'include')], [], [])\n"
+            "try:\n    open('/opt/glm53/probe', 'w')\n    refused = ''\n"
+            "except OSError as e:\n    refused = e.strerror\n"
+            "print(json.dumps({'lib': str(spec.jit_library_path), 'stub': stub, 'refused': refused}))\n")
+    done = run_image(image, "env", "FLASHINFER_CUDA_ARCH_LIST=10.3a", "MAX_JOBS=2", "python3", "-c", code,
+                     network="none", extra=chart_files, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["lib"].startswith("/cache/") and got["stub"].startswith("/tmp/"), got
+    assert got["refused"] == "Read-only file system", got
+    assert any(p.name == Path(got["lib"]).name for p in cache.rglob("*.so")), "the JIT module is not in /cache"

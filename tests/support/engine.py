@@ -36,6 +36,7 @@ from pathlib import Path
 
 import yaml
 
+from tests.support import read_only_root
 from tests.support.valkey import ValkeyServer, free_loopback_port
 
 ENGINE_PYTHON_ENV = "DIST_ENGINE_PYTHON"
@@ -123,6 +124,9 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     label: str = "engine"
     cpu_connector: bool = True          # False: without the plugin (LMCache then degrades)
+    # True: the engine runs as the chart runs it (readOnlyRootFilesystem): only its HOME, caches
+    # and temp folder are writable, /tmp is an empty tmpfs (tests/support/read_only_root.py)
+    read_only_root: bool = False
 
 
 @dataclass
@@ -151,6 +155,18 @@ class EngineServer:
 
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def check_read_only_root(self) -> None:
+        """The engine process's root is mounted read-only and /tmp is a tmpfs of its own."""
+        mounts = {}
+        for line in Path(f"/proc/{self.process.pid}/mountinfo").read_text().splitlines():
+            fields = line.split()
+            mounts[fields[4]] = (fields[5].split(","), fields[fields.index("-") + 1])
+        if "ro" not in mounts.get("/", ([], ""))[0]:
+            raise EngineError(f"{self.spec.label}: read_only_root is set but the engine's / is mounted "
+                              f"{mounts.get('/')}")
+        if mounts.get("/tmp", ([], ""))[1] != "tmpfs":
+            raise EngineError(f"{self.spec.label}: read_only_root is set but the engine's /tmp is {mounts.get('/tmp')}")
 
     def check_healthy(self) -> None:
         """Fail when the process died or LMCache switched itself off."""
@@ -364,6 +380,8 @@ def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_
     log_path = workdir / f"{spec.label}-{port}.log"
     args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.model),
             "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    if spec.read_only_root:
+        args = read_only_root_command(python, spec, workdir, env, args)
     started = time.monotonic()
     with log_path.open("w") as log:
         log.write(f"$ {' '.join(args)}\n")
@@ -383,10 +401,29 @@ def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_
             time.sleep(0.5)
         server.startup_s = time.monotonic() - started
         server.check_healthy()
+        if spec.read_only_root:
+            server.check_read_only_root()
     except BaseException:
         server.stop(timeout_s=5)
         raise
     return server
+
+
+def read_only_root_command(python: Path, spec: EngineSpec, workdir: Path, env: dict[str, str],
+                           args: list[str]) -> list[str]:
+    """``args`` under a read-only root, ``env`` pointed at the folders that stay writable, as
+    the chart's engine pods have them: HOME (an emptyDir there), the caches (/cache), a temp
+    folder (the harness's shared one, which holds the warmed Inductor cache) for TMPDIR and
+    vLLM's and LMCache's IPC sockets. The engine's own work dir (its configs) is read-only."""
+    home, cache = workdir / f"{spec.label}-home", workdir / f"{spec.label}-cache"
+    temp = Path(env["TMPDIR"]) if os.environ.get(ENGINE_TMPDIR_ENV) else workdir / f"{spec.label}-tmp"
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(cache), TMPDIR=str(temp), VLLM_RPC_BASE_PATH=str(temp))
+    writable = [home, cache, temp]
+    if "TORCHINDUCTOR_CACHE_DIR" in env:
+        writable.append(Path(env["TORCHINDUCTOR_CACHE_DIR"]))
+    for folder in writable:
+        folder.mkdir(parents=True, exist_ok=True)
+    return read_only_root.command(str(python), [str(f) for f in writable], args)
 
 
 def free_port_block(count: int, step: int = 10) -> int:
