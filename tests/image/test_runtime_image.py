@@ -386,8 +386,8 @@ def test_the_image_runs_with_the_charts_read_only_root(image, tmp_path):
             "try:\n    open('/opt/glm53/probe', 'w')\n    refused = ''\n"
             "except OSError as e:\n    refused = e.strerror\n"
             "print(json.dumps({'lib': str(spec.jit_library_path), 'stub': stub, 'refused': refused}))\n")
-    done = run_image(image, "env", "FLASHINFER_CUDA_ARCH_LIST=10.3a", "MAX_JOBS=2", "python3", "-c", code,
-                     network="none", extra=chart_files, timeout=900)
+    done = run_image(image, "python3", "-c", code, network="none", timeout=900,
+                     extra=(*chart_files, "--env=FLASHINFER_CUDA_ARCH_LIST=10.3a", "--env=MAX_JOBS=2"))
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["lib"].startswith("/cache/") and got["stub"].startswith("/tmp/"), got
