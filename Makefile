@@ -30,8 +30,8 @@ image-check: ## run the built image: self-test, presets, deployment, the operato
 lock: ## resolve the image's Python dependency closure by sha256 into build/lock/*.txt
 	$(DIST) lock
 
-test: ## the CPU test suite: tool tests, patch proofs on pristine and patched LMCache, peer suite
-	$(DIST) test
+test: ## the CPU test suite: tool tests, patch proofs on pristine and patched LMCache, peer suite [TEST_ARGS=--no-engine ..]
+	$(DIST) test $(TEST_ARGS)
 
 sources: ## fetch the pinned upstream sdists into work/cache (verified by sha256)
 	$(DIST) sources

@@ -250,7 +250,7 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
     leave_one_out = None if args.no_leave_one_out else (series, _left_out_site_builder(layout, python))
     return testrun.run_all(layout.repo, layout.work, python, envs, layout.tree("lmcache"), args.pytest_args,
                            extra_env={"DIST_CUDA_HOME": str(cuda), "DIST_REQUIRE_VLLM_WHEEL": "1"}, paths=args.paths,
-                           peer=not args.no_peer, leave_one_out=leave_one_out)
+                           peer=not args.no_peer, leave_one_out=leave_one_out, engine=not args.no_engine)
 
 
 def cmd_audit(args: argparse.Namespace, layout: Layout) -> int:
@@ -363,6 +363,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--paths", nargs="+", default=["tests"], help="project test paths (default: tests)")
     s.add_argument("--no-peer", action="store_true", help="skip phase 4 (a partial run; never in CI)")
     s.add_argument("--no-leave-one-out", action="store_true", help="skip phase 3 (a partial run; never in CI)")
+    s.add_argument("--no-engine", action="store_true",
+                   help="skip the real-engine scenarios (tests/engine) in every phase (a partial run; never in CI)")
     s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments, after --")
     s.set_defaults(func=cmd_test)
 

@@ -316,14 +316,33 @@ def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: 
     return total, problems
 
 
+ENGINE_TESTS = "tests/engine"
+
+
+def without_engine(paths: list[str], pytest_args: list[str]) -> tuple[list[str], list[str]]:
+    """The paths and pytest arguments that leave the real-engine scenarios out of every phase
+    (--no-engine, a quick loop): pytest's --ignore drops them from a folder it walks, not from
+    a path that names them, so such paths go too."""
+    engine = Path(ENGINE_TESTS)
+    kept = [p for p in paths if not (Path(p.split("::")[0]) == engine or engine in Path(p.split("::")[0]).parents)]
+    if not kept:
+        raise DistBuildError(f"--no-engine: every path given ({' '.join(paths)}) is under {ENGINE_TESTS}")
+    return kept, [*pytest_args, f"--ignore={ENGINE_TESTS}"]
+
+
 def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]], tree: Path,
             pytest_args: list[str], extra_env: dict[str, str] | None = None,
             paths: list[str] | None = None, peer: bool = True,
-            leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None = None) -> int:
+            leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None = None,
+            engine: bool = True) -> int:
     """The three phases; prints one closing 'N passed, N failed' line."""
     junit = work / "test-results"
     results: dict[str, Outcome] = {}
     problems: list[str] = []
+    paths = paths or ["tests"]
+    if not engine:
+        paths, pytest_args = without_engine(paths, pytest_args)
+        problems.append(f"engine scenarios: skipped (--no-engine, {ENGINE_TESTS} ignored): a partial run")
 
     patched_env = _env("patched", work, {**(extra_env or {}), **envs["patched"]})
     pristine_env = _env("pristine", work, {**(extra_env or {}), **envs["pristine"]})

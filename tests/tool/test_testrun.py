@@ -1,6 +1,8 @@
 """Pieces of ``make test``'s runner (build/distbuild/testrun.py) that decide what counts."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from distbuild import testrun
@@ -46,3 +48,25 @@ def test_a_problem_line_names_the_failed_tests():
     assert testrun._names({"b::t", "a::t"}) == ": a::t, b::t"
     many = {f"m::t{i:02d}" for i in range(12)}
     assert testrun._names(many).endswith("m::t09 and 2 more")
+
+
+def test_no_engine_leaves_out_the_engine_scenarios_even_where_a_path_names_them():
+    """--no-engine's pytest arguments, given to the real pytest: no test of tests/engine is
+    collected, from tests/ or from a path that names an engine file; the others are."""
+    import subprocess
+    import sys
+
+    from distbuild.testrun import ENGINE_TESTS, without_engine
+
+    repo = Path(__file__).resolve().parents[2]
+    for given in (["tests/tool", "tests/engine"], [f"{ENGINE_TESTS}/test_harness.py", "tests/tool/test_testrun.py"]):
+        paths, args = without_engine(given, ["-q"])
+        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", *args, *paths],
+                              capture_output=True, text=True, cwd=repo, timeout=120)
+        collected = [line for line in done.stdout.splitlines() if "::" in line]
+        assert collected and all(line.startswith("tests/tool/") for line in collected), done.stdout[-2000:]
+    # from tests/, as make test gives it: the folder walk honours --ignore
+    paths, args = without_engine(["tests"], ["-q"])
+    assert paths == ["tests"] and args[-1] == f"--ignore={ENGINE_TESTS}"
+    with pytest.raises(DistBuildError, match="every path given"):
+        without_engine([f"{ENGINE_TESTS}/test_protocol.py::test_x"], [])
