@@ -100,6 +100,25 @@ def check_cache(path: Path = Path("/cache")) -> Check:
     return Check("cache", "PASS", f"{path} writable as uid {os.getuid()}")
 
 
+SCRATCH_FIX = ("with a read-only root the engines need a writable /tmp and HOME: docker/podman --read-only "
+               "--tmpfs /tmp --tmpfs /home/serve; the chart mounts emptyDirs there (engineFiles)")
+
+
+def check_scratch(environ: dict[str, str]) -> Check:
+    """The temp folder (vLLM's and LMCache's ZMQ IPC sockets, Python's and Inductor's temp files)
+    and HOME take a file: under a read-only root without their mounts, the engine fails late,
+    in a worker, on the first socket or temp file."""
+    folders = {"temp folder": Path(environ.get("TMPDIR") or "/tmp"), "HOME": Path(environ.get("HOME") or "/")}
+    for what, path in folders.items():
+        try:
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".preflight-"):
+                pass
+        except OSError as exc:
+            return Check("tmp and home", "FAIL", f"{what} {path} is not writable as uid {os.getuid()}: "
+                         f"{exc.strerror}", SCRATCH_FIX)
+    return Check("tmp and home", "PASS", f"{folders['temp folder']} and {folders['HOME']} writable")
+
+
 # RDMA registration of host memory (NIXL's UCX/EFA backends pinning the KV and LMCache's L1)
 # is charged to RLIMIT_MEMLOCK unless the process holds CAP_IPC_LOCK in its effective set, which
 # a non-root process (the image's uid 1000, the chart's pods) does not, whatever the pod adds.
@@ -326,7 +345,7 @@ def run_checks(role: str, model: str | None, environ: dict[str, str], config_roo
                probe: Callable | None = None, smi: Callable[[], str | None] = nvidia_smi) -> list[Check]:
     if probe is None:
         from .selftest import probe_nixl_backends as probe
-    checks = [check_shm(role, shm), check_cache(cache), check_jit(environ)]
+    checks = [check_shm(role, shm), check_cache(cache), check_scratch(environ), check_jit(environ)]
     gpu = smi()
     vllm_yaml = config_root / role / "vllm.yaml"
     try:

@@ -106,6 +106,27 @@ def test_cache_must_be_writable(tmp_path: Path) -> None:
     assert "-v glm53-cache:" in check.fix and "chmod -R g+rwX" in check.fix
 
 
+def test_tmp_and_home_must_take_a_file_under_a_read_only_root(tmp_path: Path) -> None:
+    """Run as the chart runs the engines (tests/support/read_only_root.py: root read-only, /tmp a
+    tmpfs): HOME on the read-only root fails naming it and the fix, a writable HOME passes."""
+    from tests.support import read_only_root
+
+    home = tmp_path / "home"
+    home.mkdir()
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from imagectl import preflight; "
+            "c = preflight.check_scratch({'TMPDIR': '/tmp', 'HOME': sys.argv[2]}); print(json.dumps(c.__dict__))")
+    verdicts = {}
+    for name, given in (("read-only", str(REPO)), ("writable", str(home))):
+        argv = read_only_root.command(sys.executable, [str(home)], [sys.executable, "-c", code, str(REPO / "scripts"), given])
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        verdicts[name] = json.loads(done.stdout)
+    assert verdicts["writable"]["status"] == "PASS", verdicts["writable"]
+    failed = verdicts["read-only"]
+    assert failed["status"] == "FAIL" and f"HOME {REPO} is not writable" in failed["detail"], failed
+    assert "Read-only file system" in failed["detail"] and "--tmpfs /tmp --tmpfs /home/serve" in failed["fix"]
+
+
 def _toolchain_home() -> Path:
     found = sorted(TOOLCHAIN.glob("lib/python3*/site-packages/nvidia/cu13"))
     if not found or not (found[0] / "bin" / "nvcc").is_file():
@@ -260,13 +281,13 @@ def _probe_ok(names):
 
 
 def test_run_checks_and_render_in_seconds(tmp_path: Path, tmpfs) -> None:
-    env = {"CUDA_HOME": str(_image_cuda_home(tmp_path))}
+    env = {"CUDA_HOME": str(_image_cuda_home(tmp_path)), "TMPDIR": str(tmp_path), "HOME": str(tmp_path)}
     model = str(model_dir(tmp_path, GLM5_FP8))
     checks = preflight.run_checks("prefill", model, env, config_root=CONFIGS, shm=tmpfs("64m"),
                                   cache=tmp_path / "cache", probe=_probe_ok, smi=lambda: None)
     by = {c.name: c.status for c in checks}
     memlock = preflight.check_memlock(preflight.preset_nixl_backends(CONFIGS / "prefill" / "vllm.yaml")).status
-    assert by == {"shm": "FAIL", "cache": "PASS", "jit toolchain": "PASS", "nixl backends": "PASS",
+    assert by == {"shm": "FAIL", "cache": "PASS", "tmp and home": "PASS", "jit toolchain": "PASS", "nixl backends": "PASS",
                   "memlock": memlock, "flashinfer artifacts": "WARN", "gpu": "WARN", "model": "PASS"}
     text = preflight.render(checks, 1.2)
     assert "preflight: FAIL  shm" in text and "fix: run the container with --ipc=host" in text

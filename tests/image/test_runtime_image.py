@@ -303,7 +303,7 @@ def test_preflight_passes_the_shipped_presets_and_says_the_gpu_checks_were_skipp
     done = run_image(image, "preflight", role, "/models/GLM-5.3-FP8", network="host",
                      extra=("--shm-size=17g", *MEMLOCK, _model(tmp_path)), timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    for name in ("shm", "cache", "jit toolchain", "nixl backends", "memlock", "model"):
+    for name in ("shm", "cache", "tmp and home", "jit toolchain", "nixl backends", "memlock", "model"):
         assert f"preflight: PASS  {name}" in done.stdout, name
     assert "LIBFABRIC instantiated" in done.stdout and "libcuda.so.1 was the toolkit's link stub" in done.stdout
     assert "GPU checks skipped" in done.stdout
@@ -331,7 +331,7 @@ def test_preflight_passes_with_ucx_and_says_the_gpu_checks_were_skipped(image, t
                      extra=("--shm-size=17g", *MEMLOCK, _model(tmp_path),
                             f"--volume={configs}:/etc/glm53-ucx:ro", "--env=GLM53_CONFIGS=/etc/glm53-ucx"), timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    for name in ("shm", "cache", "jit toolchain", "nixl backends", "memlock", "model"):
+    for name in ("shm", "cache", "tmp and home", "jit toolchain", "nixl backends", "memlock", "model"):
         assert f"preflight: PASS  {name}" in done.stdout, name
     assert "GPU checks skipped" in done.stdout
 
@@ -393,3 +393,13 @@ def test_the_image_runs_with_the_charts_read_only_root(image, tmp_path):
     assert got["lib"].startswith("/cache/") and got["stub"].startswith("/tmp/"), got
     assert got["refused"] == "Read-only file system", got
     assert any(p.name == Path(got["lib"]).name for p in cache.rglob("*.so")), "the JIT module is not in /cache"
+
+
+def test_preflight_refuses_a_read_only_root_without_tmp_in_seconds(image, tmp_path):
+    """docker run --read-only without the chart's /tmp and HOME mounts: the preflight fails naming
+    the temp folder and the flags, before vLLM starts (without it: a worker's first IPC socket)."""
+    done = run_image(image, "preflight", "prefill", "/models/GLM-5.3-FP8", network="none", timeout=300,
+                     extra=("--read-only", "--read-only-tmpfs=false", "--shm-size=17g", *MEMLOCK, _model(tmp_path)))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "preflight: FAIL  tmp and home" in done.stdout and "/tmp is not writable" in done.stdout
+    assert "--tmpfs /tmp --tmpfs /home/serve" in done.stdout
