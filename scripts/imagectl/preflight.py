@@ -87,13 +87,18 @@ def check_shm(role: str, path: Path = Path("/dev/shm"), minimum: int | None = No
     return Check("shm", "PASS", f"{path} is {_size(have)} (>= {_size(need)})")
 
 
+def _take_a_file(path: Path) -> None:
+    """Create and remove a probe file in ``path``; OSError if the folder cannot take one."""
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".preflight-"):
+        pass
+
+
 def check_cache(path: Path = Path("/cache")) -> Check:
     fix = (f"mount a writable volume at {path} (docker: -v glm53-cache:{path}); for another UID make it group 0 "
            "with group write (chgrp -R 0, chmod -R g+rwX) or owned by that UID")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".preflight-"):
-            pass
+        _take_a_file(path)
     except OSError as exc:
         return Check("cache", "FAIL", f"{path} is not writable as uid {os.getuid()} gid {os.getgid()}: "
                      f"{exc.strerror}", fix)
@@ -111,8 +116,7 @@ def check_scratch(environ: dict[str, str]) -> Check:
     folders = {"temp folder": Path(environ.get("TMPDIR") or "/tmp"), "HOME": Path(environ.get("HOME") or "/")}
     for what, path in folders.items():
         try:
-            with tempfile.NamedTemporaryFile(dir=path, prefix=".preflight-"):
-                pass
+            _take_a_file(path)
         except OSError as exc:
             return Check("tmp and home", "FAIL", f"{what} {path} is not writable as uid {os.getuid()}: "
                          f"{exc.strerror}", SCRATCH_FIX)
