@@ -89,11 +89,18 @@ publisher.shutdown()
 """
 
 
-def close_beside_publisher(tmp_path) -> tuple[list[str], str]:
+# vLLM's default publisher transport (tcp://*:5557), on loopback and a port the
+# kernel picks. An ipc:// path under pytest's tmp_path broke this proof in CI:
+# a deep checkout made it longer than sun_path's 107 characters.
+PUBLISHER_ENDPOINT = "tcp://127.0.0.1:*"
+RACE_SET_UP = "response thread waiting on its socket"
+
+
+def close_beside_publisher() -> tuple[list[str], str]:
     """The child's lines, and how it ended."""
     from tests.conftest import PATCHES
 
-    cmd = [sys.executable, "-c", CHILD, f"ipc://{tmp_path}/kv-events", f"lookup-close-{uuid.uuid4().hex[:8]}"]
+    cmd = [sys.executable, "-c", CHILD, PUBLISHER_ENDPOINT, f"lookup-close-{uuid.uuid4().hex[:8]}"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_BOUND_S, cwd=PATCHES.parent)
     except subprocess.TimeoutExpired as expired:
@@ -104,8 +111,9 @@ def close_beside_publisher(tmp_path) -> tuple[list[str], str]:
 
 
 @pytest.mark.fixes(PATCH, fails_with=BLOCKED)
-def test_lookup_client_close_returns_beside_vllms_kv_event_publisher(tmp_path):
-    lines, ended = close_beside_publisher(tmp_path)
+def test_lookup_client_close_returns_beside_vllms_kv_event_publisher():
+    lines, ended = close_beside_publisher()
+    assert RACE_SET_UP in lines, f"the child never reached close() (child {ended}; it said {lines})"
     assert "close() returned" in lines, (
         f"close() did not return beside vLLM's KV event publisher (child {ended}; it said {lines}): unpatched it "
         "closes its pull socket under the response thread's recv(), which can abort the process in libzmq, then "
@@ -116,10 +124,10 @@ def test_lookup_client_close_returns_beside_vllms_kv_event_publisher(tmp_path):
 
 
 @pytest.mark.fixes(PATCH, fails_with=r"the response thread was still in recv\(\) on it")
-def test_lookup_client_close_waits_for_its_response_thread(tmp_path):
+def test_lookup_client_close_waits_for_its_response_thread():
     """close() joins the response thread before it closes the thread's socket."""
-    lines, ended = close_beside_publisher(tmp_path)
-    assert "response thread waiting on its socket" in lines, f"the race was not set up (child {ended}; it said {lines})"
+    lines, ended = close_beside_publisher()
+    assert RACE_SET_UP in lines, f"the race was not set up (child {ended}; it said {lines})"
     said = [line for line in lines if line.startswith("closing the pull socket")]
     assert said, f"close() never closed the response socket (child {ended}; it said {lines})"
     assert said == ["closing the pull socket, response thread alive=False"], (
