@@ -654,9 +654,11 @@ def not_installed(lock: Path) -> dict[str, str]:
     return found
 
 
-# The chart's P/D router (configs/deploy values router.vllmRouter.command) and the flags it renders.
+# The chart's routers (configs/deploy values router.vllmRouter.command): the P/D router and the
+# prefill-retry router beside it (regular mode), and the flags they render.
 ROUTER_FLAGS = ("--vllm-pd-disaggregation", "--service-discovery", "--prefill-selector", "--decode-selector",
-                "--health-check-interval-secs")
+                "--health-check-interval-secs", "--selector", "--retry-max-retries", "--cb-failure-threshold",
+                "--cb-timeout-duration-secs")
 
 
 def check_pd_router(python: str = sys.executable) -> Check:

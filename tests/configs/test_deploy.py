@@ -373,21 +373,33 @@ def test_router_is_vllm_router_finding_the_cells_pods(docs):
 
     deployment = by(docs, "Deployment", "glm53-pd-proxy")
     pod = deployment["spec"]["template"]["spec"]
-    c = container(deployment)
-    cmd = c["command"]
-    assert cmd[:3] == ["python3", "-m", "vllm_router.launch_router"]
+    assert [c["name"] for c in pod["containers"]] == ["proxy", "prefill-retry"]
+    c, retry = container(deployment), container(deployment, "prefill-retry")
+    cmd, retry_cmd = c["command"], retry["command"]
+    assert cmd[:3] == retry_cmd[:3] == ["python3", "-m", "vllm_router.launch_router"]
     assert "--vllm-pd-disaggregation" in cmd and _args(cmd, "--kv-connector") == ["nixl"]
+    assert "--vllm-pd-disaggregation" not in retry_cmd  # regular mode: the one with retries
     assert _args(cmd, "--host") == ["0.0.0.0"] and _args(cmd, "--port") == ["8000"]
-    # Kubernetes discovery in this namespace only (a Role, not a ClusterRole), the engines' port.
-    assert "--service-discovery" in cmd and _args(cmd, "--service-discovery-namespace") == ["vllm"]
-    assert _args(cmd, "--service-discovery-port") == ["8000"]
-    for role in ("prefill", "decode"):
-        selector = dict(term.split("=", 1) for term in _args(cmd, f"--{role}-selector"))
+    assert _args(retry_cmd, "--port") == ["8100"]
+    # Kubernetes discovery in this namespace only (a Role, not a ClusterRole), the engines' port:
+    # the P/D router watches the decode pods, the prefill-retry router the prefill pods.
+    for command in (cmd, retry_cmd):
+        assert "--service-discovery" in command and _args(command, "--service-discovery-namespace") == ["vllm"]
+        assert _args(command, "--service-discovery-port") == ["8000"]
+    for role, command, flag in (("prefill", retry_cmd, "--selector"), ("decode", cmd, "--decode-selector")):
+        selector = dict(term.split("=", 1) for term in _args(command, flag))
         labels = by(docs, "StatefulSet", f"glm53-{role}")["spec"]["template"]["metadata"]["labels"]
         assert selector == {"app.kubernetes.io/name": "glm53", "app.kubernetes.io/component": role,
                             "glm53.io/cell": "cell-a"}
         assert all(labels[k] == v for k, v in selector.items())
-    assert _args(cmd, "--prefill-policy") == [test_router.PREFILL_POLICY] == ["cache_aware"]
+    assert "--prefill-selector" not in cmd
+    # Every prefill goes to the retry router beside it, which routes by prefix and retries.
+    assert _args(cmd, "--prefill") == ["http://127.0.0.1:8100"] and _args(cmd, "--prefill-policy") == ["round_robin"]
+    assert _args(retry_cmd, "--policy") == [test_router.PREFILL_POLICY] == ["cache_aware"]
+    assert _args(retry_cmd, "--retry-max-retries") == ["3"] and _args(retry_cmd, "--cb-failure-threshold") == ["1"]
+    assert _args(retry_cmd, "--cb-timeout-duration-secs") == ["5"]
+    # Its /health (what the P/D router probes) is 503 while any worker is unhealthy: it never marks one.
+    assert _args(retry_cmd, "--health-failure-threshold") == [str(2**32 - 1)]
     assert _args(cmd, "--decode-policy") == ["power_of_two"]
     # The health flags the router test measured the failure window with (tests/deploy/test_router.py).
     assert _args(cmd, "--health-check-endpoint") == ["/health"]
@@ -395,9 +407,12 @@ def test_router_is_vllm_router_finding_the_cells_pods(docs):
     assert _args(cmd, "--health-failure-threshold") == [str(test_router.HEALTH_FAILURE_THRESHOLD)]
     assert _args(cmd, "--health-success-threshold") == [str(test_router.HEALTH_SUCCESS_THRESHOLD)]
     assert _args(cmd, "--health-check-timeout-secs") == [str(test_router.HEALTH_TIMEOUT_S)]
-    assert c["readinessProbe"]["httpGet"]["path"] == "/readiness"
-    assert c["livenessProbe"]["httpGet"]["path"] == "/liveness"
-    assert c["image"] == IMAGE
+    for probe_of in (c, retry):
+        assert probe_of["readinessProbe"]["httpGet"]["path"] == "/readiness"
+        assert probe_of["livenessProbe"]["httpGet"]["path"] == "/liveness"
+        assert probe_of["image"] == IMAGE
+        assert probe_of["securityContext"]["readOnlyRootFilesystem"] is True
+    assert retry["readinessProbe"]["httpGet"]["port"] == "prefill-retry"
     # The pod watch needs the API: a token for its ServiceAccount, bound to get/list/watch pods.
     assert pod["serviceAccountName"] == "glm53-pd-proxy" and pod["automountServiceAccountToken"] is True
     role = by(docs, "Role", "glm53-pd-proxy")
@@ -408,12 +423,27 @@ def test_router_is_vllm_router_finding_the_cells_pods(docs):
     assert by(docs, "ServiceAccount", "glm53-pd-proxy")["metadata"]["namespace"] == "vllm"
 
 
+def test_router_without_prefill_retry_is_the_pd_router_alone():
+    deployment = by(render_cell("router.vllmRouter.prefillRetry.enabled=false"), "Deployment", "glm53-pd-proxy")
+    assert [c["name"] for c in deployment["spec"]["template"]["spec"]["containers"]] == ["proxy"]
+    cmd = container(deployment)["command"]
+    assert "--prefill" not in cmd and _args(cmd, "--prefill-policy") == ["cache_aware"]
+    assert dict(term.split("=", 1) for term in _args(cmd, "--prefill-selector"))["app.kubernetes.io/component"] == "prefill"
+
+
 def test_router_extra_args_and_policies_come_from_values():
     docs = render_cell("router.vllmRouter.prefillPolicy=round_robin", "router.vllmRouter.extraArgs={--log-level,debug}",
-                       "router.vllmRouter.health.intervalSecs=5")
-    cmd = container(by(docs, "Deployment", "glm53-pd-proxy"))["command"]
-    assert _args(cmd, "--prefill-policy") == ["round_robin"] and cmd[-2:] == ["--log-level", "debug"]
-    assert _args(cmd, "--health-check-interval-secs") == ["5"]
+                       "router.vllmRouter.health.intervalSecs=5", "router.vllmRouter.prefillRetry.maxRetries=5",
+                       "router.vllmRouter.prefillRetry.port=8200")
+    deployment = by(docs, "Deployment", "glm53-pd-proxy")
+    cmd, retry_cmd = container(deployment)["command"], container(deployment, "prefill-retry")["command"]
+    assert _args(retry_cmd, "--policy") == ["round_robin"] and cmd[-2:] == ["--log-level", "debug"]
+    assert _args(cmd, "--health-check-interval-secs") == _args(retry_cmd, "--health-check-interval-secs") == ["5"]
+    assert _args(retry_cmd, "--retry-max-retries") == ["5"] and _args(retry_cmd, "--port") == ["8200"]
+    assert _args(cmd, "--prefill") == ["http://127.0.0.1:8200"]
+    with pytest.raises(render.RenderError) as err:
+        render_cell("router.vllmRouter.prefillRetry.port=8000")  # the P/D router's own port
+    assert "prefillRetry" in str(err.value)
     with pytest.raises(render.RenderError) as err:
         render_cell("router.kind=nginx")
     assert "router.kind" in str(err.value)

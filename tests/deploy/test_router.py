@@ -526,36 +526,95 @@ class KubeApiStub:
         asyncio.run_coroutine_threadsafe(apply(), self._loop).result(10)
 
 
-def chart_router_command() -> list[str]:
-    """The router's command line as the chart renders it (configs/deploy/chart, real Helm)."""
+def chart_router_command(*values: str, name: str | None = None) -> list[str]:
+    """A router container's command line as the chart renders it (configs/deploy/chart, real Helm):
+    the P/D router (the first container), or ``name`` (``prefill-retry``)."""
     from tests.deploy.cell import by, container, render_cell
 
-    return container(by(render_cell(), "Deployment", "glm53-pd-proxy"))["command"]
+    return container(by(render_cell(*values), "Deployment", "glm53-pd-proxy"), name)["command"]
+
+
+def localized(command: list[str], overrides: dict[str, str]) -> list[str]:
+    """The chart's router command run here: the ``vllm-router`` executable for the launcher, and
+    the value after each flag in ``overrides`` replaced (the addresses a pod has and this machine
+    has not)."""
+    assert ROUTER is not None
+    assert command[:3] == ["python3", "-m", "vllm_router.launch_router"]
+    rest = command[3:]
+    return [ROUTER] + [overrides[rest[i - 1]] if i and rest[i - 1] in overrides else arg for i, arg in enumerate(rest)]
+
+
+def labels(role: str, cell: str = "cell-a") -> dict[str, str]:
+    return {"app.kubernetes.io/name": "glm53", "app.kubernetes.io/component": role, "glm53.io/cell": cell}
+
+
+class ChartRouterPod:
+    """What the chart's router pod runs, started here from the rendered commands: the P/D router
+    and, with ``router.vllmRouter.prefillRetry.enabled`` (the default), the prefill-retry router
+    beside it. Only what a pod has and this machine has not changes: the listen and metrics
+    addresses, the engines' port (pods share 8000 on distinct IPs; here they share ``engine_port``
+    on distinct loopback addresses) and the P/D router's loopback URL of the retry router."""
+
+    def __init__(self, tmp_path: Path, api: KubeApiStub, engine_port: int, *values: str) -> None:
+        from tests.deploy.cell import by, render_cell
+
+        pod = by(render_cell(*values), "Deployment", "glm53-pd-proxy")["spec"]["template"]["spec"]
+        self.commands = {c["name"]: c["command"] for c in pod["containers"]}
+        self.port = free_port()
+        self.retry_port = free_port()
+        self.tmp_path = tmp_path
+        self.env = {**os.environ, "KUBECONFIG": str(api.kubeconfig(tmp_path / "kubeconfig"))}
+        self.env.pop("KUBERNETES_SERVICE_HOST", None)
+        self.engine_port = engine_port
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _overrides(self, port: int) -> dict[str, str]:
+        return {"--host": "127.0.0.1", "--port": str(port), "--service-discovery-port": str(self.engine_port),
+                "--prometheus-host": "127.0.0.1", "--prometheus-port": str(free_port())}
+
+    def start(self) -> ChartRouterPod:
+        if "prefill-retry" in self.commands:
+            command = self.commands["prefill-retry"]
+            self._start("prefill-retry", localized(command, self._overrides(self.retry_port)))
+            wait_http(f"http://127.0.0.1:{self.retry_port}/readiness", 60, self.procs["prefill-retry"])
+        overrides = self._overrides(self.port)
+        command = self.commands["proxy"]
+        if "--prefill" in command:
+            chart_url = command[command.index("--prefill") + 1]
+            assert chart_url.startswith("http://127.0.0.1:"), chart_url
+            overrides["--prefill"] = f"http://127.0.0.1:{self.retry_port}"
+        self._start("proxy", localized(command, overrides))
+        wait_http(self.url + "/readiness", 60, self.procs["proxy"])
+        return self
+
+    def _start(self, name: str, args: list[str]) -> None:
+        self.procs[name] = subprocess.Popen(args, cwd=REPO, env=self.env, stdout=open(self.tmp_path / f"{name}.out", "wb"),
+                                            stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
 
 
 def test_chart_router_follows_the_pod_watch_and_a_planned_restart_costs_no_request(tmp_path: Path) -> None:
-    # The chart's own router command line; only what a pod has and this machine has not changes:
-    # the listen and metrics addresses, and the engines' port (pods share 8000 on distinct IPs;
-    # here they share a free port on distinct loopback addresses).
-    assert ROUTER is not None
-    command = chart_router_command()
-    assert command[:3] == ["python3", "-m", "vllm_router.launch_router"]
-    engine_port, router_port = free_port(), free_port()
-    overrides = {"--host": "127.0.0.1", "--port": str(router_port), "--service-discovery-port": str(engine_port),
-                 "--prometheus-host": "127.0.0.1", "--prometheus-port": str(free_port())}
-    args = [ROUTER]
-    rest = command[3:]
-    for i, arg in enumerate(rest):
-        args.append(overrides[rest[i - 1]] if i and rest[i - 1] in overrides else arg)
-    namespace = rest[rest.index("--service-discovery-namespace") + 1]
-
-    def labels(role: str, cell: str = "cell-a") -> dict[str, str]:
-        return {"app.kubernetes.io/name": "glm53", "app.kubernetes.io/component": role, "glm53.io/cell": cell}
-
+    # The chart's router pod as shipped (the P/D router and the prefill-retry router beside it).
+    engine_port = free_port()
     engines = {name: Engine(engine_port, tmp_path, name, 400.0, 30.0, host=f"127.0.0.{2 + i}")
                for i, name in enumerate(["prefill-0", "prefill-1", "decode-0", "prefill-2", "other-cell-prefill"])}
-    api = KubeApiStub(namespace).start()
-    router: subprocess.Popen[bytes] | None = None
+    api = KubeApiStub("vllm").start()
+    routers = ChartRouterPod(tmp_path, api, engine_port)
+    assert set(routers.commands) == {"proxy", "prefill-retry"}
+    assert all(c[c.index("--service-discovery-namespace") + 1] == "vllm" for c in routers.commands.values())
     try:
         for engine in engines.values():
             engine.start()
@@ -564,12 +623,8 @@ def test_chart_router_follows_the_pod_watch_and_a_planned_restart_costs_no_reque
         api.put("decode-0", engines["decode-0"].host, labels("decode"), ready=True)
         api.put("prefill-2", engines["prefill-2"].host, labels("prefill"), ready=False)  # still starting
         api.put("other-cell-prefill", engines["other-cell-prefill"].host, labels("prefill", "cell-b"), ready=True)
-        env = {**os.environ, "KUBECONFIG": str(api.kubeconfig(tmp_path / "kubeconfig"))}
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        router = subprocess.Popen(args, cwd=REPO, env=env, stdout=open(tmp_path / "router.out", "wb"),
-                                  stderr=subprocess.STDOUT)
-        router_url = f"http://127.0.0.1:{router_port}"
-        wait_http(router_url + "/readiness", 60, router)
+        routers.start()
+        router_url = routers.url
         load = Load(router_url, clients=8, prompt_words=120)
         marks: dict[str, float] = {}
         exit_code: list[int] = []
@@ -590,9 +645,7 @@ def test_chart_router_follows_the_pod_watch_and_a_planned_restart_costs_no_reque
 
         asyncio.run(load.run(script))
     finally:
-        if router is not None and router.poll() is None:
-            router.terminate()
-            router.wait(10)
+        routers.stop()
         for engine in engines.values():
             engine.stop()
         api.stop()
@@ -617,3 +670,110 @@ def test_chart_router_follows_the_pod_watch_and_a_planned_restart_costs_no_reque
     assert not [e for e in victim_events if e["event"] == "arrive" and float(e["t"]) > term]
     assert set(finished_at) == arrived and not [e for e in victim_events if e["event"] == "abort"]
     assert not failures, [o.detail for o in failures][:3]
+
+
+@pytest.mark.parametrize("prefill_retry", [True, False], ids=["prefill-retry", "pd-router-alone"])
+def test_chart_router_pod_retries_a_killed_prefill_on_another_pod(tmp_path: Path, prefill_retry: bool) -> None:
+    # An unannounced prefill death (SIGKILL: OOM, a GPU fault, node loss) mid-run, through the chart's
+    # router pod found by the pod watch. With the prefill-retry router (the chart's default) no
+    # request fails: the prefills the dead pod held and those sent to it before its circuit opened
+    # are retried on the survivor. The P/D router alone (prefillRetry.enabled=false) is the control:
+    # it sends a prefill once, so the requests routed to the dead pod until the next probe fail.
+    engine_port = free_port()
+    # Slow prefills (about 0.15 s each, FIFO) so the victim holds a queue when it dies.
+    engines = {name: Engine(engine_port, tmp_path, name, 2_000_000.0 if name == "decode-0" else 800.0, 30.0,
+                            host=f"127.0.0.{2 + i}")
+               for i, name in enumerate(["prefill-0", "prefill-1", "decode-0"])}
+    api = KubeApiStub("vllm").start()
+    routers = ChartRouterPod(tmp_path, api, engine_port, f"router.vllmRouter.prefillRetry.enabled={str(prefill_retry).lower()}")
+    assert ("prefill-retry" in routers.commands) is prefill_retry
+    victim, survivor, decode = engines["prefill-0"], engines["prefill-1"], engines["decode-0"]
+    load = Load(routers.url, clients=8, prompt_words=60)
+    marks: dict[str, float] = {}
+    try:
+        for engine in engines.values():
+            engine.start()
+        for name, engine in engines.items():
+            api.put(name, engine.host, labels(name.split("-")[0]), ready=True)
+        routers.start()
+
+        async def script() -> None:
+            await asyncio.sleep(3.0)
+            marks["kill"] = time.monotonic()
+            victim.signal(signal.SIGKILL)
+            await asyncio.to_thread(victim.wait, 10)
+            await asyncio.sleep(DETECTION_WINDOW_S + 2.0)
+            marks["back"] = time.monotonic()
+            await asyncio.to_thread(victim.start)  # the pod restarted in place (same IP and port)
+            await asyncio.sleep(HEALTH_INTERVAL_S * HEALTH_SUCCESS_THRESHOLD + 4.0)
+
+        asyncio.run(load.run(script))
+    finally:
+        routers.stop()
+        for engine in engines.values():
+            engine.stop()
+        api.stop()
+
+    kill, back = marks["kill"], marks["back"]
+    failures = load.failures()
+    events = victim.events(1)
+    finished = {e["request_id"] for e in events if e["event"] == "finish" and e["prefill"]}
+    lost = [e["request_id"] for e in events if e["event"] == "arrive" and e["prefill"] and e["request_id"] not in finished]
+    in_window = [o for o in load.outcomes if o.end >= kill and o.start <= kill + DETECTION_WINDOW_S]
+    print(f"\nprefill SIGKILL ({'prefill-retry' if prefill_retry else 'P/D router alone'}): "
+          f"{len(load.outcomes)} requests, {len(failures)} failed; {len(lost)} prefills died with the pod; "
+          f"{len(in_window)} requests in flight at the kill or sent in the {DETECTION_WINDOW_S:.0f} s after it")
+
+    assert prefill_arrivals(events), "the victim served no prefill before the kill"
+    assert lost, "no prefill was in flight on the victim when it died: the run proves no retry"
+    assert any(kill < t < back for t in prefill_arrivals(survivor.events(1)))
+    assert prefill_arrivals(victim.events(2)), "the restarted prefill pod got no traffic"
+    assert all(o.ok for o in load.outcomes if o.start > back + HEALTH_INTERVAL_S + 1.0)
+    if prefill_retry:
+        assert not failures, [o.detail for o in failures][:3]
+        # Every decode got the KV of a prefill (the survivor's, for the retried ones): none recomputed.
+        decode_events = decode.events(1)
+        assert not [e for e in decode_events if e["event"] == "arrive" and not e["decode"]]
+    else:
+        assert failures, "the P/D router alone lost no request: the control cannot show what the retry adds"
+        assert all(kill <= o.end and o.start <= kill + DETECTION_WINDOW_S for o in failures), \
+            [o.detail for o in failures if not kill <= o.end][:3]
+
+
+def test_chart_router_pod_sends_a_shared_prefix_to_one_prefill_pod(tmp_path: Path) -> None:
+    # With the prefill-retry router, prefix affinity is its prefillPolicy (cache_aware) in regular
+    # mode: the P/D router in front of it has one prefill worker and does not choose.
+    engine_port = free_port()
+    engines = {name: Engine(engine_port, tmp_path, name, 2_000_000.0 if name == "decode-0" else 2_000.0, 30.0,
+                            host=f"127.0.0.{2 + i}")
+               for i, name in enumerate(["prefill-0", "prefill-1", "decode-0"])}
+    api = KubeApiStub("vllm").start()
+    routers = ChartRouterPod(tmp_path, api, engine_port)
+    assert "prefill-retry" in routers.commands
+    prefixes = [" ".join(f"ctx{group}w{i}" for i in range(300)) for group in ("A", "B")]
+    load = Load(routers.url, clients=6, prompt_words=10, prefixes=prefixes)
+    try:
+        for engine in engines.values():
+            engine.start()
+        for name, engine in engines.items():
+            api.put(name, engine.host, labels(name.split("-")[0]), ready=True)
+        routers.start()
+
+        async def script() -> None:
+            await asyncio.sleep(4.0)
+
+        asyncio.run(load.run(script))
+    finally:
+        routers.stop()
+        for engine in engines.values():
+            engine.stop()
+        api.stop()
+    assert not load.failures()
+    prefills = [engines["prefill-0"], engines["prefill-1"]]
+    placement = {group: [sum(1 for e in engine.events(1) if e["event"] == "arrive" and e["prefill"]
+                             and str(e["prompt_head"]).startswith(f"ctx{group}w0 "))
+                         for engine in prefills] for group in ("A", "B")}
+    print(f"\nprefix affinity through the chart's router pod: prefills per pod {placement}")
+    for group, counts in placement.items():
+        assert sum(counts) >= 10, placement
+        assert max(counts) >= 0.9 * sum(counts), f"group {group} spread over pods: {placement}"
