@@ -1,5 +1,11 @@
 """vllm-router 0.1.17 in front of a P/D cell: what a prefill pod's death and a planned restart cost.
 
+The chart's router pod runs two of them: the P/D router, and beside it (``prefillRetry``, the
+default) a regular-mode router over the prefill pods that retries a failed prefill on another pod,
+because the P/D mode cannot (below). The ``test_chart_router_*`` tests run the chart's own command
+lines against a stand-in for the Kubernetes pod API; the static-URL cells measure the P/D router
+alone.
+
 Real parts: the vllm-router process (PyPI ``vllm-router==0.1.17``, the router the chart
 deploys), two prefill and one decode ``tests/ops/fake_engine.py`` processes speaking vLLM
 0.31.0's NIXL P/D hand-off (the router's ``kv_transfer_params`` and ``X-Request-Id`` in,
