@@ -167,7 +167,8 @@ RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
          printf '%s\n' "$providers" | grep -qx "${p}:" || { echo "libfabric ${LIBFABRIC_VERSION}: provider ${p} not built: ${providers}" >&2; exit 1; }; \
        done \
     && { grep -q '#define HAVE_CUDA 1' config.h || { echo "libfabric ${LIBFABRIC_VERSION}: built without CUDA memory support" >&2; exit 1; }; } \
-    && mkdir -p /out/lib /out/bin && cp -L /opt/libfabric/lib/libfabric.so.1 /out/lib/ && cp /opt/libfabric/bin/fi_info /out/bin/
+    && mkdir -p /out/lib /out/bin && cp -L /opt/libfabric/lib/libfabric.so.1 /out/lib/ && cp /opt/libfabric/bin/fi_info /out/bin/ \
+    && rm -rf autom4te.cache config.log
 WORKDIR /
 
 ######################## build-env: torch + build needs ########################
@@ -178,7 +179,7 @@ COPY build/lock/builder.txt /src/build/lock/builder.txt
 # download torch again, and pip re-checks every cached file's hash.
 # hadolint ignore=DL3042
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=build-ca \
-    with-build-ca pip install --require-hashes --no-deps --progress-bar off -r /src/build/lock/builder.txt \
+    with-build-ca pip install --require-hashes --no-deps --no-compile --progress-bar off -r /src/build/lock/builder.txt \
     && pip check
 
 ######################## lmcache-wheel: patched LMCache, CUDA ext for sm_103a ########################
@@ -200,17 +201,23 @@ COPY --from=sources /work/trees/lmcache.json /build/lmcache.json
 # CUDA_HOME explicit (found through PATH it resolves the wrong prefix); the
 # nvcc wheels lack the cuBLAS/cuSPARSE/cuSOLVER headers torch's headers
 # include: cuBLAS 13.0's from above first, then torch's nvidia/cu13/include.
-# The version's local part names the patched tree.
+# The version's local part names the patched tree. --discard-all: no local symbols in the
+# extension, because nvcc names a unit's static initializer after its temp file
+# (_GLOBAL__sub_I_tmpxft_<pid>_..._ac_dec.cudafe1.cpp: ac_dec.cu has a global constructor from
+# <iostream>), which made the .so, the wheel and its sha256 differ per build (make image-repro).
+# The build tree (objects, ninja's log with its times) does not stay in the stage.
 WORKDIR /build/lmcache
 RUN tree="$(python -c 'import json; print(json.load(open("/build/lmcache.json"))["patched_tree"][:12])')" \
     && rm -rf .git \
     && export BUILD_WITH_CUDA=1 CUDA_HOME=/opt/cuda TORCH_CUDA_ARCH_LIST MAX_JOBS \
        CPATH="/opt/cuda-headers/nvidia/cu13/include:/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13/include" \
        SETUPTOOLS_SCM_PRETEND_VERSION="${LMCACHE_VERSION}+glm53.${tree}" \
+       LDFLAGS="-Wl,--discard-all" \
     && echo "lmcache-wheel: building ${LMCACHE_VERSION}+glm53.${tree} for TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} (MAX_JOBS=${MAX_JOBS})" \
     && if ! pip wheel --no-build-isolation --no-deps --progress-bar off -w /out .; then \
          echo "lmcache-wheel: the LMCache CUDA build failed (see the compiler output above)" >&2; exit 1; \
-       fi
+       fi \
+    && rm -rf build
 WORKDIR /out
 RUN sha256sum ./*.whl > SHA256SUMS
 
@@ -277,8 +284,12 @@ RUN echo /opt/libfabric/lib > /etc/ld.so.conf.d/glm53-libfabric.conf && ldconfig
     && [ "$(ldconfig -p | grep -c 'libfabric\.so\.1 ')" = 1 ] \
     || { echo "runtime: want exactly one libfabric.so.1 (/opt/libfabric/lib): $(ldconfig -p | grep libfabric)" >&2; exit 1; }
 # The venv's own pip: its timestamped .pyc replaced by unchecked-hash ones (PYTHONHASHSEED=0).
+# PYTHONDONTWRITEBYTECODE and -f: the venv's distutils-precedence.pth imports _distutils_hack when
+# compileall's own interpreter starts, which wrote a timestamped .pyc that compileall then kept
+# (measured by make image-repro: the one file of this layer that differed between two builds).
 RUN python3 -m venv /opt/venv && find /opt/venv -name __pycache__ -prune -exec rm -rf {} + \
-    && PYTHONHASHSEED=0 /opt/venv/bin/python -m compileall -q --invalidation-mode unchecked-hash /opt/venv/lib
+    && PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 /opt/venv/bin/python -m compileall -q -f \
+         --invalidation-mode unchecked-hash /opt/venv/lib
 ENV PATH=/opt/venv/bin:$PATH PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 COPY build/lock/image.txt /opt/glm53/lock/image.txt
 # The closure in layers a registry pulls in parallel and a lock bump re-pulls only in part
