@@ -38,6 +38,23 @@ def test_a_differing_layer_names_each_file_and_what_differs(tmp_path: Path) -> N
     assert repro.diff_listings(a, repro.list_tree(tmp_path / "a")) == []
 
 
+def test_a_directory_or_whiteout_mtime_alone_is_counted_not_listed() -> None:
+    # [type, mode, uid, gid, size, mtime, content], as list_tree records them
+    a = {"tmp/wheels": ["dir", "0o755", 0, 0, 0, 1796284578, ""],
+         "build/.git": ["whiteout", "0o0", 0, 0, 0, 1796284288, ""],
+         "opt/f": ["file", "0o644", 0, 0, 1, 1796284578, "x"],
+         "opt/d": ["dir", "0o755", 0, 0, 0, 1, ""]}
+    b = {"tmp/wheels": ["dir", "0o755", 0, 0, 0, 1796285572, ""],
+         "build/.git": ["whiteout", "0o0", 0, 0, 0, 1796285291, ""],
+         "opt/f": ["file", "0o644", 0, 0, 1, 1796285572, "x"],
+         "opt/d": ["dir", "0o700", 0, 0, 0, 2, ""]}
+    lines = repro.diff_listings(a, b)
+    assert lines == ["opt/d: mode '0o755' != '0o700', mtime 1 != 2",
+                     "opt/f: mtime 1796284578 != 1796285572",
+                     "(and 2 directory or whiteout mtime(s) that differ only on disk: the layer tar clamps them to "
+                     "SOURCE_DATE_EPOCH)"]
+
+
 def test_compare_reports_equal_stages_and_names_the_layer_that_differs(tmp_path: Path) -> None:
     files = repro.list_tree(_tree(tmp_path / "l", {"f": "1"}))
     other = repro.list_tree(_tree(tmp_path / "m", {"f": "2"}))
