@@ -867,3 +867,11 @@ def test_nixl_backends_line_must_be_the_nixl_connectors(tmp_path):
         render_cell("nixlBackends={LIBFABRIC}", chart=_chart(configs))
     assert ("nixlBackends: the `backends: [...]` line of configs/prefill/vllm.yaml is not its NixlConnector's "
             '(after setting it, the connector uses ["UCX"])') in str(err.value)
+
+
+def test_engine_pods_declare_one_nixl_side_channel_port_per_data_parallel_rank(docs):
+    # vLLM 0.31.0 listens on VLLM_NIXL_SIDE_CHANNEL_PORT (5600) + the data-parallel rank: decode runs DP8.
+    for role, dp in (("prefill", 1), ("decode", 8)):
+        ports = container(by(docs, "StatefulSet", f"glm53-{role}"))["ports"]
+        assert ports[0] == {"name": "http", "containerPort": 8000}
+        assert ports[1:] == [{"name": "nixl" if i == 0 else f"nixl-{i}", "containerPort": 5600 + i} for i in range(dp)]

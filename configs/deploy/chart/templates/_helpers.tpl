@@ -180,6 +180,7 @@ tests/configs/test_deploy.py checks that it equals the Dockerfile's. */ -}}
 {{- toJson (dict
   "namespace" $ns "ranks" $ranks "shards" $ranks
   "prefillGpus" (mul $ranks $pdp) "decodeGpus" (mul $decodeRanks $ddp)
+  "prefillDataParallel" $pdp "decodeDataParallel" $ddp
   "prefillMemoryGi" $prefillMemory "l1Gi" $l1
   "prefillEnv" $prefillEnv "decodeEnv" $decodeEnv
   "prefillMount" $prefillMount "decodeMount" $decodeMount
