@@ -52,6 +52,7 @@ Helm (``DIST_HELM``, as tests/configs/test_deploy.py does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -65,6 +66,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -612,6 +614,20 @@ class ChartRouterPod:
                     proc.wait(10)
 
 
+@contextlib.contextmanager
+def running(engines: dict[str, Engine], api: KubeApiStub, routers: ChartRouterPod) -> Iterator[None]:
+    """The engines started; on the way out the router pod, the engines and the pod API stopped."""
+    try:
+        for engine in engines.values():
+            engine.start()
+        yield
+    finally:
+        routers.stop()
+        for engine in engines.values():
+            engine.stop()
+        api.stop()
+
+
 def test_chart_router_follows_the_pod_watch_and_a_planned_restart_costs_no_request(tmp_path: Path) -> None:
     # The chart's router pod as shipped (the P/D router and the prefill-retry router beside it).
     engine_port = free_port()
@@ -621,9 +637,7 @@ def test_chart_router_follows_the_pod_watch_and_a_planned_restart_costs_no_reque
     routers = ChartRouterPod(tmp_path, api, engine_port)
     assert set(routers.commands) == {"proxy", "prefill-retry"}
     assert all(c[c.index("--service-discovery-namespace") + 1] == "vllm" for c in routers.commands.values())
-    try:
-        for engine in engines.values():
-            engine.start()
+    with running(engines, api, routers):
         api.put("prefill-0", engines["prefill-0"].host, labels("prefill"), ready=True)
         api.put("prefill-1", engines["prefill-1"].host, labels("prefill"), ready=True)
         api.put("decode-0", engines["decode-0"].host, labels("decode"), ready=True)
@@ -650,11 +664,6 @@ def test_chart_router_follows_the_pod_watch_and_a_planned_restart_costs_no_reque
             await asyncio.sleep(2.0)
 
         asyncio.run(load.run(script))
-    finally:
-        routers.stop()
-        for engine in engines.values():
-            engine.stop()
-        api.stop()
 
     ready, term = marks["ready"], marks["term"]
     failures = load.failures()
@@ -696,9 +705,7 @@ def test_chart_router_pod_retries_a_killed_prefill_on_another_pod(tmp_path: Path
     victim, survivor, decode = engines["prefill-0"], engines["prefill-1"], engines["decode-0"]
     load = Load(routers.url, clients=8, prompt_words=60)
     marks: dict[str, float] = {}
-    try:
-        for engine in engines.values():
-            engine.start()
+    with running(engines, api, routers):
         for name, engine in engines.items():
             api.put(name, engine.host, labels(name.split("-")[0]), ready=True)
         routers.start()
@@ -714,11 +721,6 @@ def test_chart_router_pod_retries_a_killed_prefill_on_another_pod(tmp_path: Path
             await asyncio.sleep(HEALTH_INTERVAL_S * HEALTH_SUCCESS_THRESHOLD + 4.0)
 
         asyncio.run(load.run(script))
-    finally:
-        routers.stop()
-        for engine in engines.values():
-            engine.stop()
-        api.stop()
 
     kill, back = marks["kill"], marks["back"]
     failures = load.failures()
@@ -758,9 +760,7 @@ def test_chart_router_pod_sends_a_shared_prefix_to_one_prefill_pod(tmp_path: Pat
     assert "prefill-retry" in routers.commands
     prefixes = [" ".join(f"ctx{group}w{i}" for i in range(300)) for group in ("A", "B")]
     load = Load(routers.url, clients=6, prompt_words=10, prefixes=prefixes)
-    try:
-        for engine in engines.values():
-            engine.start()
+    with running(engines, api, routers):
         for name, engine in engines.items():
             api.put(name, engine.host, labels(name.split("-")[0]), ready=True)
         routers.start()
@@ -769,11 +769,6 @@ def test_chart_router_pod_sends_a_shared_prefix_to_one_prefill_pod(tmp_path: Pat
             await asyncio.sleep(4.0)
 
         asyncio.run(load.run(script))
-    finally:
-        routers.stop()
-        for engine in engines.values():
-            engine.stop()
-        api.stop()
     assert not load.failures()
     prefills = [engines["prefill-0"], engines["prefill-1"]]
     placement = {group: [sum(1 for e in engine.events(1) if e["event"] == "arrive" and e["prefill"]
