@@ -687,6 +687,13 @@ def test_chart_router_follows_the_pod_watch_and_a_planned_restart_costs_no_reque
     assert not failures, [o.detail for o in failures][:3]
 
 
+def chart_cell_engines(tmp_path: Path, engine_port: int, prefill_rate: float) -> dict[str, Engine]:
+    """prefill-0, prefill-1 and decode-0 on ``engine_port``, each on its own loopback address."""
+    return {name: Engine(engine_port, tmp_path, name, 2_000_000.0 if name == "decode-0" else prefill_rate, 30.0,
+                         host=f"127.0.0.{2 + i}")
+            for i, name in enumerate(["prefill-0", "prefill-1", "decode-0"])}
+
+
 @pytest.mark.parametrize("prefill_retry", [True, False], ids=["prefill-retry", "pd-router-alone"])
 def test_chart_router_pod_retries_a_killed_prefill_on_another_pod(tmp_path: Path, prefill_retry: bool) -> None:
     # An unannounced prefill death (SIGKILL: OOM, a GPU fault, node loss) mid-run, through the chart's
@@ -696,9 +703,7 @@ def test_chart_router_pod_retries_a_killed_prefill_on_another_pod(tmp_path: Path
     # it sends a prefill once, so the requests routed to the dead pod until the next probe fail.
     engine_port = free_port()
     # Slow prefills (about 0.15 s each, FIFO) so the victim holds a queue when it dies.
-    engines = {name: Engine(engine_port, tmp_path, name, 2_000_000.0 if name == "decode-0" else 800.0, 30.0,
-                            host=f"127.0.0.{2 + i}")
-               for i, name in enumerate(["prefill-0", "prefill-1", "decode-0"])}
+    engines = chart_cell_engines(tmp_path, engine_port, 800.0)
     api = KubeApiStub("vllm").start()
     routers = ChartRouterPod(tmp_path, api, engine_port, f"router.vllmRouter.prefillRetry.enabled={str(prefill_retry).lower()}")
     assert ("prefill-retry" in routers.commands) is prefill_retry
@@ -752,9 +757,7 @@ def test_chart_router_pod_sends_a_shared_prefix_to_one_prefill_pod(tmp_path: Pat
     # With the prefill-retry router, prefix affinity is its prefillPolicy (cache_aware) in regular
     # mode: the P/D router in front of it has one prefill worker and does not choose.
     engine_port = free_port()
-    engines = {name: Engine(engine_port, tmp_path, name, 2_000_000.0 if name == "decode-0" else 2_000.0, 30.0,
-                            host=f"127.0.0.{2 + i}")
-               for i, name in enumerate(["prefill-0", "prefill-1", "decode-0"])}
+    engines = chart_cell_engines(tmp_path, engine_port, 2_000.0)
     api = KubeApiStub("vllm").start()
     routers = ChartRouterPod(tmp_path, api, engine_port)
     assert "prefill-retry" in routers.commands
