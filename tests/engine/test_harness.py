@@ -66,3 +66,34 @@ def test_a_read_only_root_engine_writes_only_its_folders(tmp_path):
     assert done.stdout.strip() == "1", done.stdout
     assert "Read-only file system" in done.stderr and done.returncode != 0, done.stderr
     assert not Path(in_tmp).exists()   # written to the engine's own tmpfs, gone with it
+
+
+def test_a_folder_kept_under_tmp_stays_visible_and_read_only():
+    """A checkout under /tmp (a clone there) would vanish under the engine's tmpfs: the
+    launcher keeps it, read-only, and keeps the checkout it was started from on its own.
+    Without --keep the same command finds nothing there."""
+    import importlib.util
+    import shutil
+    import tempfile
+
+    clone = Path(tempfile.mkdtemp(prefix="read-only-root-clone-", dir="/tmp"))
+    try:
+        (clone / "tests" / "support").mkdir(parents=True)
+        launcher = clone / "tests" / "support" / "read_only_root.py"
+        shutil.copy(read_only_root.__file__, launcher)
+        (clone / "hello.sh").write_text("echo kept; touch \"$(dirname \"$0\")/written\"\n")
+        spec = importlib.util.spec_from_file_location("clone_read_only_root", launcher)
+        cloned = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cloned)
+        argv = ["sh", str(clone / "hello.sh")]
+
+        kept = subprocess.run(cloned.command(sys.executable, [], argv), capture_output=True, text=True, timeout=30)
+        assert kept.stdout.strip() == "kept", kept.stderr
+        assert "Read-only file system" in kept.stderr and not (clone / "written").exists(), kept.stderr
+
+        bare = read_only_root.command(sys.executable, [], argv)
+        assert str(clone) not in bare
+        hidden = subprocess.run(bare, capture_output=True, text=True, timeout=30)
+        assert hidden.returncode != 0 and "hello.sh" in hidden.stderr and not hidden.stdout, hidden
+    finally:
+        shutil.rmtree(clone)
