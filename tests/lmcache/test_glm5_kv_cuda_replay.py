@@ -1,0 +1,95 @@
+"""GLM-5's whole KV through LMCache's CUDA kernels, on a GPU machine without vLLM.
+
+test_glm5_kv_roundtrip.py's GPU case needs vLLM, which the lent GPU machine
+cannot have (tests/lmcache/gpu/README.md). Here the worker's registration is
+replayed from what vLLM 0.31.0 and LMCache's adapter hand over, recorded in
+glm5_handoff.json (tests/lmcache/glm5_handoff.py): the metadata of vLLM's
+factory, the layout hints and each layer's role, and the ``kv_caches``
+tensors' exact geometry, views into one shared allocation as vLLM's
+``allocate_kv_cache`` lays them out. On CUDA the V3 connector's kernels
+(``multi_layer_kv_transfer`` per kernel group: 576- or 656-byte latent rows,
+and the indexer's blocked pages of 128 fp8 values then 4-byte scales) move
+every byte; the checks are the round trip's own (glm5_lmcache_run._one_case):
+every byte of every loaded token, vLLM's cached prefix untouched, the DSA
+indexer's top-k on the restored cache.
+
+- the recording equals what vLLM and the adapter hand over now (CPU, vLLM);
+- the replay round-trips on CPU through LMCache's torch fallback copies and
+  imports no vLLM (it runs in the GPU bundle's rehearsal too);
+- the replay round-trips on CUDA (gpu: run by tests/lmcache/gpu/device_run.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.lmcache import glm5_handoff
+from tests.lmcache.test_glm5_kv_roundtrip import CASES, LOAD_BLOCKS, STORE_BLOCKS, check_case
+from tests.support.pcp_ranks import run_processes
+
+pytestmark = pytest.mark.lmcache
+
+REPO = Path(__file__).resolve().parents[2]
+V3_GROUPS = "0015-v3-gpu-connector-move-each-kernel-group-with-its-own-geometry.patch"
+LATENT_BYTES = {"flashinfer_fp8": 576, "flashmla_fp8_ds_mla": 656}
+
+
+def replayed(tmp_path, variant: str, device: str) -> dict:
+    """The replay in a process of its own in which vLLM cannot be imported
+    (LMCache's own modules import vLLM's when it is installed; on the GPU
+    machine it is not)."""
+    out = tmp_path / "replayed.json"
+    spec = {"cases": CASES, "store_blocks": STORE_BLOCKS, "load_blocks": LOAD_BLOCKS}
+    argv = [sys.executable, "-m", "tests.lmcache.glm5_handoff", "replay", variant, "--device", device,
+            "--cases", json.dumps(spec), "--json", str(out)]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONHASHSEED": "0"})
+    if done.returncode != 0:
+        raise AssertionError(f"the replay ({variant}, {device}) exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def check_replayed(result: dict, variant: str) -> None:
+    assert result["gpu_connector"] == "VLLMPagedMemGPUConnectorV3"
+    assert len(result["cases"]) == len(CASES)
+    for case in result["cases"]:
+        check_case(case)
+    assert result["groups"] == glm5_handoff.load_recorded()[variant]["kernel_groups"]
+    assert ["NL_X_NB_BS_HS", glm5_handoff.LAYERS, LATENT_BYTES[variant]] in result["groups"]
+
+
+@pytest.mark.parametrize("variant", glm5_handoff.VARIANTS)
+def test_the_recorded_handoff_is_what_vllm_hands_lmcache_now(tmp_path, variant):
+    pytest.importorskip("vllm", reason="records through vLLM 0.31.0 (the test venv has it)")
+    (fresh,) = run_processes(1, glm5_handoff.record, tmp_path, timeout_s=300, variant=variant)
+    recorded = glm5_handoff.load_recorded()[variant]
+    assert fresh == recorded, (
+        f"{glm5_handoff.HANDOFF_FILE.name}[{variant}] is stale: "
+        "python -m tests.lmcache.glm5_handoff record --write"
+    )
+    # What makes the layout GLM-5's: each decoder layer a latent and an
+    # indexer cache, views into one allocation, the roles from vLLM's specs.
+    layers = recorded["kv_caches"]["layers"]
+    assert [layer["shape"][-1] for layer in layers] == [132, 132, LATENT_BYTES[variant], LATENT_BYTES[variant]]
+    assert {layer["allocation"] for layer in layers} == {0}
+    assert recorded["layout_hints"]["kv_cache_roles"] == ["indexer", "indexer", "mla", "mla"]
+
+
+@pytest.mark.fixes(V3_GROUPS, fails_with=r"size of tensor a \(\d+\) must match the size of tensor b \(132\)")
+@pytest.mark.parametrize("variant", glm5_handoff.VARIANTS)
+def test_the_replayed_handoff_round_trips_on_cpu_without_vllm(tmp_path, variant):
+    check_replayed(replayed(tmp_path, variant, "cpu"), variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", glm5_handoff.VARIANTS)
+def test_the_replayed_handoff_round_trips_through_lmcache_cuda_kernels(tmp_path, variant):
+    result = replayed(tmp_path, variant, "cuda")
+    assert result["kv_device"] == "cuda:0"
+    check_replayed(result, variant)
