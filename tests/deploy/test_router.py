@@ -306,6 +306,17 @@ def prefill_arrivals(events: list[dict[str, object]]) -> list[float]:
     return [float(e["t"]) for e in events if e["event"] == "arrive" and e["prefill"]]  # type: ignore[arg-type]
 
 
+def wait_for_prefill_arrival(engine: Engine, after: float, timeout: float) -> float:
+    """When the first prefill after ``after`` (monotonic) arrived at ``engine``'s current start."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        arrivals = [t for t in prefill_arrivals(engine.events(engine.starts)) if t > after]
+        if arrivals:
+            return min(arrivals)
+        time.sleep(0.02)
+    raise AssertionError(f"{engine.name}: no prefill arrived within {timeout:.0f} s")
+
+
 def post(url: str) -> int:
     request = urllib.request.Request(url, method="POST", data=b"")
     with urllib.request.urlopen(request, timeout=10) as response:
@@ -375,6 +386,8 @@ def test_planned_prefill_restart_removed_first_then_drained_costs_no_request(mak
 
     async def script() -> None:
         await asyncio.sleep(3.0)
+        # Removed as a prefill arrives there, which then outlasts the preStop sleep.
+        await asyncio.to_thread(wait_for_prefill_arrival, victim, time.monotonic(), 10.0)
         assert await asyncio.to_thread(post, f"{cell.router_url}/remove_worker?url={victim.url}") == 200
         await asyncio.sleep(0.2)  # the preStop sleep, shorter than the victim's queue
         marks["term"] = time.monotonic()
@@ -633,6 +646,11 @@ def test_chart_router_follows_the_pod_watch_and_a_planned_restart_costs_no_reque
     engine_port = free_port()
     engines = {name: Engine(engine_port, tmp_path, name, 400.0, 30.0, host=f"127.0.0.{2 + i}")
                for i, name in enumerate(["prefill-0", "prefill-1", "decode-0", "prefill-2", "other-cell-prefill"])}
+    # The pod deleted below prefills a prompt in about 1.2 s, longer than its preStop sleep
+    # here (0.5 s), so the prefill that arrives just before the deletion is still running at
+    # SIGTERM and the run proves a drain (at the others' 0.3 s, it proved one only when the
+    # routing had queued prefills there).
+    engines["prefill-0"].prefill_rate = 100.0
     api = KubeApiStub("vllm").start()
     routers = ChartRouterPod(tmp_path, api, engine_port)
     assert set(routers.commands) == {"proxy", "prefill-retry"}
@@ -655,7 +673,9 @@ def test_chart_router_follows_the_pod_watch_and_a_planned_restart_costs_no_reque
             marks["ready"] = time.monotonic()
             await asyncio.to_thread(api.put, "prefill-2", engines["prefill-2"].host, labels("prefill"), True)
             await asyncio.sleep(3.0)
-            # kubectl delete pod prefill-0: the deletionTimestamp, then preStop's sleep, then SIGTERM.
+            # kubectl delete pod prefill-0, as a prefill starts there: the deletionTimestamp,
+            # then preStop's sleep, then SIGTERM.
+            await asyncio.to_thread(wait_for_prefill_arrival, victim, time.monotonic(), 10.0)
             await asyncio.to_thread(api.put, "prefill-0", victim.host, labels("prefill"), True, True)
             await asyncio.sleep(0.5)
             marks["term"] = time.monotonic()
