@@ -97,3 +97,11 @@ def test_a_folder_kept_under_tmp_stays_visible_and_read_only():
         assert hidden.returncode != 0 and "hello.sh" in hidden.stderr and not hidden.stdout, hidden
     finally:
         shutil.rmtree(clone)
+
+
+def test_a_kept_or_writable_path_that_is_not_a_folder_is_refused_before_any_mount(tmp_path):
+    for option in ("--keep", "--writable"):
+        missing = tmp_path / f"absent{option}"
+        done = subprocess.run([sys.executable, read_only_root.__file__, option, str(missing), "--", "true"],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 1 and f"read_only_root: {option} {missing}: not a folder" in done.stderr, done

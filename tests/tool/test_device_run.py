@@ -33,3 +33,9 @@ def test_the_lmcache_part_is_not_started_without_a_minute_left(tmp_path):
     assert done.returncode == 2
     assert rows[1] == ["lmcache", "0", "not started"]
     assert "lmcache: not started" in done.stdout
+
+
+def test_without_out_it_stops_at_once_naming_it(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    done = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)
+    assert done.returncode != 0 and "set OUT to the directory for the results" in done.stderr
