@@ -1,33 +1,38 @@
 #!/usr/bin/env bash
-# Both GPU checks in one call of the device tool, inside its 600 s limit per call (a drawn
-# task has 15 device-minutes in all, the machine's start included):
-#   1. the activation kernel's harness (issue 19): tests/flashinfer/gpu/device_run.sh
-#   2. LMCache's gpu-marked tests (issues 14 and 15): tests/lmcache/gpu/device_run.sh
-# Each part has its own time budget and its own folder of results under $OUT, so a part that
-# runs out of time or fails leaves the other's results whole.
+# Every GPU check in one call of a GPU machine that has PyTorch and nvcc but not the trees:
+#   activation  FlashInfer's activation harness: tests/flashinfer/gpu/device_run.sh
+#   lmcache     LMCache's gpu-marked tests: tests/lmcache/gpu/device_run.sh
 #
-# Make both bundles here first (about a minute; 13 + 14 MiB, inside the 64 MiB carry limit):
-#   DIST_CUDA_HOME=work/toolchain/lib/python3.11/site-packages/nvidia/cu13 \
-#     work/venv/bin/python tests/flashinfer/gpu/run.py --make-bundle work/activation-bundle
-#   work/venv/bin/python tests/lmcache/gpu/make_bundle.py
-# then, on a task that has a GPU:
-#   run(command="OUT=$OUT tests/device_run.sh", timeout_s=595,
-#       carry=["work/activation-bundle", "work/lmcache-gpu-bundle"])
-# Results: $OUT/activation/ (activation.log, .json, .png), $OUT/lmcache/ (lmcache-gpu.log,
-# .json, build.log, junit*.xml), $OUT/device-run.tsv (part, seconds, exit status).
-# Environment: ACTIVATION_S (default 220) and TOTAL_S (default 570) bound the parts; the
-# LMCache part gets what the first leaves. ACTIVATION_BUNDLE and LMCACHE_BUNDLE name the
-# bundles (defaults: the folders above). Exit: 0 both passed, else the first non-zero
-# status of the two (each part's own: see its script).
+# First, here: `make gpu-bundles` (work/activation-bundle, work/lmcache-gpu-bundle, each stamped
+# with the series it was made from). Then, from the repository root on the GPU machine, with
+# both bundles carried:
+#   OUT=/results tests/device_run.sh
+# Each bundle's stamp is printed first and a bundle made from another series is refused.
+#
+# The two parts run side by side: LMCache's part builds its CUDA extension on the CPUs while the
+# activation harness has the GPU, and starts its GPU steps only once the harness is done (the
+# file $GPU_FREE), so that nothing else runs on the GPU while the harness times its kernels.
+# Each part has its own deadline inside TOTAL_S, the parts' steps deadlines inside theirs.
+#
+# $OUT receives seven files, what a results folder of at most eight can carry back:
+#   device-run.tsv                         part, seconds, exit status
+#   activation.log .json .png              the harness (its JSON rewritten after every case)
+#   lmcache-gpu.log .json                  LMCache's part (its JSON rewritten after every step)
+#   details.tar.gz                         everything else: build logs, junit XML, env, steps
+# Environment: TOTAL_S (default 540: leave the call's own limit a margin above it),
+# ACTIVATION_S (default 300), ACTIVATION_BUNDLE, LMCACHE_BUNDLE (defaults: the folders above).
+# Exit: 0 both passed, else the first non-zero status (activation's, then lmcache's).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 : "${OUT:?set OUT to the directory for the results}"
-ACTIVATION_S=${ACTIVATION_S:-220}
-TOTAL_S=${TOTAL_S:-570}
+TOTAL_S=${TOTAL_S:-540}
+ACTIVATION_S=${ACTIVATION_S:-300}
 ACTIVATION_BUNDLE=${ACTIVATION_BUNDLE:-work/activation-bundle}
 LMCACHE_BUNDLE=${LMCACHE_BUNDLE:-work/lmcache-gpu-bundle}
-mkdir -p "$OUT/activation" "$OUT/lmcache"
+DETAILS=${TMPDIR:-/tmp}/dist-device-run
+rm -rf "$DETAILS" && mkdir -p "$OUT" "$DETAILS/activation" "$DETAILS/lmcache" || exit 2
 : > "$OUT/device-run.tsv"
+export GPU_FREE=$DETAILS/gpu-free
 started=$SECONDS
 
 part() {  # part NAME SECONDS CMD...: run CMD in its own process group under a deadline
@@ -42,19 +47,24 @@ part() {  # part NAME SECONDS CMD...: run CMD in its own process group under a d
   return "$rc"
 }
 
-part activation "$ACTIVATION_S" env OUT="$OUT/activation" tests/flashinfer/gpu/device_run.sh "$ACTIVATION_BUNDLE"
+# LMCache's part ends before TOTAL_S with its summary written: its steps take their limits
+# from its own deadline, and its outer limit here is only the backstop.
+lmcache_s=$((TOTAL_S - 15))
+part lmcache "$((lmcache_s + 10))" env OUT="$OUT" DETAILS="$DETAILS/lmcache" DEADLINE_S="$lmcache_s" \
+  MAX_JOBS="$(( $(nproc) > 8 ? $(nproc) - 4 : $(nproc) ))" tests/lmcache/gpu/device_run.sh "$LMCACHE_BUNDLE" \
+  > "$DETAILS/lmcache-part.out" 2>&1 &
+lmcache_pid=$!
+
+part activation "$ACTIVATION_S" env OUT="$OUT" BUILD_DIR="$DETAILS/activation" \
+  tests/flashinfer/gpu/device_run.sh "$ACTIVATION_BUNDLE"
 activation_rc=$?
-left=$((TOTAL_S - (SECONDS - started)))
-if [ "$left" -lt 60 ]; then
-  echo "=== lmcache: not started, $left s left of $TOTAL_S"
-  printf 'lmcache\t0\tnot started\n' >> "$OUT/device-run.tsv"
-  lmcache_rc=2
-else
-  # LMCache's script bounds its build and each test step itself; keep them inside what is left.
-  part lmcache "$left" env OUT="$OUT/lmcache" BUILD_TIMEOUT_S=$((left * 3 / 5)) TEST_TIMEOUT_S=$((left * 2 / 5)) \
-    tests/lmcache/gpu/device_run.sh "$LMCACHE_BUNDLE"
-  lmcache_rc=$?
-fi
-echo "=== device_run.sh: activation exit $activation_rc, lmcache exit $lmcache_rc, $((SECONDS - started)) s"
+touch "$GPU_FREE"
+wait "$lmcache_pid"
+lmcache_rc=$?
+cat "$DETAILS/lmcache-part.out"
+
+tar -czf "$OUT/details.tar.gz" -C "$DETAILS" . 2>/dev/null || echo "device_run.sh: details.tar.gz incomplete"
+echo "=== device_run.sh: activation exit $activation_rc, lmcache exit $lmcache_rc, $((SECONDS - started)) s;" \
+  "$(find "$OUT" -type f | wc -l) files in $OUT"
 [ "$activation_rc" = 0 ] || exit "$activation_rc"
 exit "$lmcache_rc"

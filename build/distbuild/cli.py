@@ -253,6 +253,25 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
                            peer=not args.no_peer, leave_one_out=leave_one_out, engine=not args.no_engine)
 
 
+def cmd_gpu_bundles(args: argparse.Namespace, layout: Layout) -> int:
+    from . import gpubundles, testenv
+    from .toolchain import ensure_toolchain
+
+    pins = pins_step.load(layout.pins_file)
+    series = {u: load_series(layout.series_dir(u)) for u in pins_step.upstream_names(pins)}
+    versions = {}
+    for upstream in ("flashinfer", "lmcache"):
+        pin = pins_step.upstream_pin(pins, upstream)
+        prepare(upstream, pin, fetch(pin, layout.cache, _client), series[upstream], layout.src)
+        versions[upstream] = pin.version
+    _write_manifest(layout, pins, series)
+    cuda = ensure_toolchain(pins, layout.cache, layout.work / "toolchain", _client)
+    python = testenv.ensure_venv(layout.work / "venv", layout.tree("lmcache"), layout.work / "logs",
+                                 testenv.project_requirements(layout.repo))
+    gpubundles.make(layout.repo, layout.work, python, cuda, versions)
+    return 0
+
+
 def cmd_audit(args: argparse.Namespace, layout: Layout) -> int:
     """Arch audit gate (see audit.py): exit 1 when uncovered code cannot run natively on the target."""
     from . import audit as audit_step
@@ -367,6 +386,10 @@ def parser() -> argparse.ArgumentParser:
                    help="skip the real-engine scenarios (tests/engine) in every phase (a partial run; never in CI)")
     s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments, after --")
     s.set_defaults(func=cmd_test)
+
+    s = sub.add_parser("gpu-bundles", help="make and stamp the GPU checks' bundles (work/activation-bundle, "
+                       "work/lmcache-gpu-bundle) from the trees under test")
+    s.set_defaults(func=cmd_gpu_bundles)
 
     s = sub.add_parser("audit", help="arch audit gate: CUDA code in a folder, file or OCI image vs a target GPU")
     s.add_argument("path", help="folder, shared object/cubin/fatbin, OCI layout folder or oci-archive tar")

@@ -208,9 +208,38 @@ def test_every_case_kind_builds_and_checks_on_cpu(shape_kwargs):
                                         case, results, failures, np.random.default_rng(0), 128, shape.label)
     assert all(same.values()) and refcheck["ok"] and not failures, failures
     if shape.routing == "remote":
-        assert same == {"rows": True, "slots": True, "nothing_written": True}
+        assert same == {"rows": True, "slots": True, "untouched": True, "nothing_written": True}
         return
     assert refcheck["exact"] == refcheck["elements"] > 0
     same, _ = harness.check_case({"pristine": _ReferenceLibrary(ref), "patched": _ReferenceLibrary(ref, flip=True)},
                                  case, results, failures, np.random.default_rng(0), 128, "flip")
     assert not same["rows"] and not same["slots"] and len(failures) == 1
+
+
+def test_a_kernel_that_trusts_unwritten_mn_limits_is_caught_on_cpu():
+    """The MN-limit array is as long as FlashInfer's workspace makes it, and the tiles the routing
+    leaves unwritten hold a limit that would make every row of them valid: only the total stops a
+    kernel there. A stand-in that takes such a tile's first row writes past the total, into rows
+    every buffer has and that must stay untouched."""
+    import numpy as np
+    import torch
+
+    harness = _harness()
+    ref = harness.ref
+    case = harness.Case(torch, 64, seed=7, device="cpu")
+    num_tiles = len(case.routing.cta_idx_xy_to_mn_limit)
+    assert case.max_num_ctas == harness.max_num_ctas_in_batch_dim(64, harness.TOP_K, harness.NUM_EXPERTS, case.tile)
+    assert len(case.mn_limit) == case.max_num_ctas + 1 and case.max_num_ctas > num_tiles
+    assert int(case.mn_limit[num_tiles]) == harness.UNWRITTEN_MN_LIMIT
+    assert case.out.shape[0] == case.rows + harness.SLACK_TILES * case.tile
+
+    class TrustsUnwrittenLimits(_ReferenceLibrary):
+        def run(self, case, mn_limit=True, pdl=False, stream=0):
+            super().run(case, mn_limit, pdl, stream)
+            if mn_limit:  # the first row of the first unwritten tile: num_tiles * tile == total
+                case.out[num_tiles * case.tile] = 0
+
+    results, failures = [], []
+    same, _ = harness.check_case({"pristine": _ReferenceLibrary(ref), "patched": TrustsUnwrittenLimits(ref)},
+                                 case, results, failures, np.random.default_rng(0), 64, "past-total")
+    assert same["untouched"] is False and same["slots"] and len(failures) == 1

@@ -26,10 +26,21 @@ template <typename D>
 struct HasMnLimit<D, std::void_t<decltype(std::declval<D&>().ctaIdxXyToMnLimit)>>
     : std::true_type {};
 
+// Data::maxNumCtasInBatchDim (the MN-limit array's length) exists from the decode-latency
+// revision of the patch on; the first patched revision walked up to the total instead.
+template <typename D, typename = void>
+struct HasMaxNumCtas : std::false_type {};
 template <typename D>
-void setMnLimit(D& data, int32_t const* mnLimit) {
+struct HasMaxNumCtas<D, std::void_t<decltype(std::declval<D&>().maxNumCtasInBatchDim)>>
+    : std::true_type {};
+
+template <typename D>
+void setMnLimit(D& data, int32_t const* mnLimit, int maxNumCtasInBatchDim) {
   if constexpr (HasMnLimit<D>::value) {
     data.ctaIdxXyToMnLimit = mnLimit;
+  }
+  if constexpr (HasMaxNumCtas<D>::value) {
+    data.maxNumCtasInBatchDim = maxNumCtasInBatchDim;
   }
 }
 
@@ -40,6 +51,9 @@ extern "C" {
 // 1 if this revision's activation::Data takes the routing's MN limits.
 int dist_activation_has_mn_limit() { return HasMnLimit<act::Data>::value ? 1 : 0; }
 
+// 1 if it also takes the MN-limit array's length (maxNumCtasInBatchDim).
+int dist_activation_has_max_num_ctas() { return HasMaxNumCtas<act::Data>::value ? 1 : 0; }
+
 // dtype: 0 = E4m3, 1 = Bfloat16, 2 = Fp16. Pointers are device pointers; null optional pointers
 // keep their defaults. Returns 0, or 1 with a message in err (a FLASHINFER_CHECK), or 2 with
 // the CUDA error of the launch.
@@ -48,7 +62,8 @@ int dist_activation_run(int dtype, int useDeepSeekFp8, int usePdl, void* in, voi
                         int32_t* expandedIdxToPermutedIdx, int32_t const* totalNumPaddedTokens,
                         float const* alpha, float const* beta, float const* clampLimit,
                         int32_t const* ctaIdxXyToBatchIdx, int tileTokensDim,
-                        int32_t const* ctaIdxXyToMnLimit, void* stream, char* err, int errLen) {
+                        int32_t const* ctaIdxXyToMnLimit, int maxNumCtasInBatchDim, void* stream,
+                        char* err, int errLen) {
   act::Data data;
   data.mDtypeElt = dtype == 0 ? tg::Dtype::E4m3 : dtype == 1 ? tg::Dtype::Bfloat16 : tg::Dtype::Fp16;
   data.mUsePdl = usePdl != 0;
@@ -67,7 +82,7 @@ int dist_activation_run(int dtype, int useDeepSeekFp8, int usePdl, void* in, voi
   data.gatedActClampLimitPtr = clampLimit;
   data.ctaIdxXyToBatchIdx = ctaIdxXyToBatchIdx;
   data.tileTokensDim = tileTokensDim;
-  setMnLimit(data, ctaIdxXyToMnLimit);
+  setMnLimit(data, ctaIdxXyToMnLimit, maxNumCtasInBatchDim);
   try {
     act::run(data, stream);
   } catch (std::exception const& e) {

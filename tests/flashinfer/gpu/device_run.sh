@@ -1,23 +1,35 @@
 #!/usr/bin/env bash
-# The activation harness's one run on a GPU machine (issue 19): build both FlashInfer revisions
-# for the GPU at hand, bit-check pristine against patched on every case of run.py's grid (124),
-# time the serving shapes (27), and write the log, the JSON and the PNG to $OUT.
+# The activation harness's run on a GPU machine: build both FlashInfer revisions for the GPU at
+# hand, bit-check pristine against patched on every case of run.py's grid, time the serving
+# shapes, and write activation.log, activation.json (rewritten after every case, so a run stopped
+# at its limit keeps what it did) and activation.png to $OUT.
 #
-# From the repository root, with the bundle carried (see README.md, "Running it"):
+# From the repository root, with the bundle carried (`make gpu-bundles` makes it):
 #   OUT=/some/dir tests/flashinfer/gpu/device_run.sh [BUNDLE_DIR]      (default work/activation-bundle)
-# Exit status is run.py's: 0 all good, 1 wrong results, 3 a shape slower than pristine or a goal missed.
+# The bundle's stamp is checked against the carried patches/flashinfer first. BUILD_DIR (default
+# a folder under TMPDIR) receives the libraries and their ptxas logs.
+# Exit status is run.py's: 0 all good, 1 wrong results, 3 a shape slower than pristine or a goal
+# missed; 2 no usable bundle. PYTHON (default python3) is the Python with the machine's torch.
 set -uo pipefail
 cd "$(dirname "$0")/../../.." || exit 2
 : "${OUT:?set OUT to the directory for the results}"
 BUNDLE=${1:-work/activation-bundle}
-[ -f "$BUNDLE/patched/csrc/fused_moe/trtllm_backend/trtllm_fused_moe_dev_kernel.cu" ] \
-  || { echo "device_run.sh: no bundle at $BUNDLE (run.py --make-bundle)" >&2; exit 2; }
-mkdir -p "$OUT"
+BUILD_DIR=${BUILD_DIR:-${TMPDIR:-/tmp}/dist-activation-build}
+mkdir -p "$OUT" "$BUILD_DIR"
+PYTHONPATH=build python3 -m distbuild.gpubundles check "$BUNDLE" 2>&1 | tee "$OUT/activation.log"
+[ "${PIPESTATUS[0]}" = 0 ] || { echo "device_run.sh: no usable bundle at $BUNDLE" >&2; exit 2; }
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
-  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
-} > "$OUT/activation.log"
-python3 tests/flashinfer/gpu/run.py --bundle "$BUNDLE" --out "${TMPDIR:-/tmp}/dist-activation-build" \
+  "${PYTHON:-python3}" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
+} >> "$OUT/activation.log"
+PYTHONUNBUFFERED=1 "${PYTHON:-python3}" tests/flashinfer/gpu/run.py --bundle "$BUNDLE" --out "$BUILD_DIR" \
   --jobs 2 --json "$OUT/activation.json" --png "$OUT/activation.png" 2>&1 | tee -a "$OUT/activation.log"
-exit "${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}
+# The SASS of both libraries, for reading the dependent loads the PTX analysis counts.
+if command -v cuobjdump > /dev/null; then
+  for lib in "$BUILD_DIR"/libactivation_*.so; do
+    [ -f "$lib" ] && cuobjdump -sass "$lib" > "${lib%.so}.sass" 2>&1
+  done
+fi
+exit "$rc"

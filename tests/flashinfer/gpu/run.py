@@ -179,8 +179,9 @@ class Library:
         self.lib.dist_activation_run.restype = ctypes.c_int
         self.lib.dist_activation_run.argtypes = (
             [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 6
-            + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
+            + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
         self.has_mn_limit = bool(self.lib.dist_activation_has_mn_limit())
+        self.has_max_num_ctas = bool(self.lib.dist_activation_has_max_num_ctas())
 
     def run(self, case: "Case", mn_limit: bool = True, pdl: bool = False, stream: int = 0) -> None:
         err = ctypes.create_string_buffer(512)
@@ -192,7 +193,7 @@ class Library:
             DTYPE_CODES[case.dtype], 1, int(pdl), ptr(case.inp), ptr(case.out), ptr(case.in_sf),
             ptr(case.out_sf), 2 * case.intermediate, case.num_tokens, TOP_K, ptr(case.expanded),
             ptr(case.total), ptr(case.alpha), ptr(case.beta), ptr(case.limit), ptr(case.batch_idx),
-            case.tile, ptr(case.mn_limit) if mn_limit else None, stream, err, len(err))
+            case.tile, ptr(case.mn_limit) if mn_limit else None, case.max_num_ctas, stream, err, len(err))
         if rc != 0:
             raise RuntimeError(f"activation::run failed ({rc}): {err.value.decode()}")
 
@@ -230,6 +231,20 @@ class Shape:
         return "/".join(parts)
 
 
+def max_num_ctas_in_batch_dim(num_tokens: int, top_k: int, num_experts: int, tile: int) -> int:
+    """The length FlashInfer's launcher gives the MN-limit array (Routing::getMaxNumCtasInBatchDim):
+    one tile per expert while slots last, then one per further whole tile of slots."""
+    slots = num_tokens * top_k
+    filled = min(num_experts, slots)
+    return filled + (slots - filled) // tile
+
+
+# The MN limits of the tiles the routing does not write, and the rows past the total in every
+# buffer: a kernel that trusted such a limit without the total would write those rows.
+UNWRITTEN_MN_LIMIT = 0x7FFFFFFF
+SLACK_TILES = 2
+
+
 def default_tile(num_tokens: int, num_local_experts: int) -> int:
     """computeSelectedTileN's centre: next power of two of the mean rows per expert, 8..128."""
     avg = num_tokens * TOP_K / num_local_experts
@@ -263,10 +278,17 @@ class Case:
         i32 = torch.int32
         self.expanded = torch.from_numpy(r.expanded_idx_to_permuted_idx).to(dev, i32)
         self.total = torch.tensor([self.rows], dtype=i32, device=dev)
-        # At least one element, so that an all-remote case still passes valid pointers.
-        self.mn_limit = torch.from_numpy(np.append(r.cta_idx_xy_to_mn_limit, 0).astype(np.int32)).to(dev)
-        self.batch_idx = torch.from_numpy(np.append(r.cta_idx_xy_to_batch_idx, 0).astype(np.int32)).to(dev)
-        rows = max(self.rows, 1)
+        # Sized as FlashInfer's workspace sizes them; the tiles the routing leaves unwritten hold
+        # UNWRITTEN_MN_LIMIT, which only the total keeps the kernel from taking for rows.
+        self.max_num_ctas = max_num_ctas_in_batch_dim(shape.num_tokens, TOP_K, NUM_EXPERTS, self.tile)
+        num_tiles = len(r.cta_idx_xy_to_mn_limit)
+        assert num_tiles <= self.max_num_ctas, (shape.label, num_tiles, self.max_num_ctas)
+        pad = self.max_num_ctas - num_tiles + 1  # at least one element for an all-remote case
+        self.mn_limit = torch.from_numpy(np.append(r.cta_idx_xy_to_mn_limit, [UNWRITTEN_MN_LIMIT] * pad)
+                                         .astype(np.int32)).to(dev)
+        self.batch_idx = torch.from_numpy(np.append(r.cta_idx_xy_to_batch_idx, [0] * pad).astype(np.int32)).to(dev)
+        # Rows past the total exist in every buffer, filled, and must stay untouched.
+        rows = self.rows + SLACK_TILES * self.tile
         inner = 2 * self.intermediate
         nb = self.intermediate // ref.NUM_ELTS_PER_SF
         # Values are drawn on the device (a 131,072-token TP8 case is 2 GB of float32).
@@ -510,7 +532,7 @@ def check_case(libs, case: Case, results: list, failures: list, gen, max_rows: i
         torch_.cuda.synchronize()
     same = {mode: identical(want, out) for mode, out in got.items()}
     refcheck = case.reference_check(*got["rows"], max_rows, gen)
-    untouched = np.setdiff1d(np.arange(case.rows), case.local_rows)
+    untouched = np.setdiff1d(np.arange(case.out.shape[0]), case.local_rows)
     if len(untouched):
         idx = torch_.from_numpy(untouched).to(case.device, torch_.long)
         same["untouched"] = bool(torch_.equal(got["rows"][0][idx], case.fill_out[idx]))
@@ -534,7 +556,26 @@ def nvcc_release(cuda: Path) -> str:
     return "; ".join(lines)
 
 
-def run_checks(libs, checks: list[Check], seed_base: int, gen, ref_rows: int, results, failures) -> None:
+class Progress:
+    """The results JSON, rewritten (atomically) after every case: a run stopped at its limit keeps
+    what it did, and ``stage`` says where it stopped ("done" only once everything ran)."""
+
+    def __init__(self, path: Path | None, header: dict):
+        self.path = path
+        self.result = {**header, "stage": "build", "timings": [], "checks": [], "failures": [], "goals": []}
+
+    def save(self, stage: str | None = None) -> None:
+        if stage:
+            self.result["stage"] = stage
+        if self.path is None:
+            return
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text(json.dumps(self.result, indent=2, default=str))
+        partial.replace(self.path)
+
+
+def run_checks(libs, checks: list[Check], seed_base: int, gen, ref_rows: int, results, failures,
+               progress: Progress | None = None) -> None:
     log(f"bit-identity: {len(checks)} cases (pristine vs patched walking rows and slots; CPU reference on "
         f"up to {ref_rows} rows each)")
     for i, check in enumerate(checks):
@@ -544,11 +585,14 @@ def run_checks(libs, checks: list[Check], seed_base: int, gen, ref_rows: int, re
         status = "ok" if all(same.values()) and refcheck["ok"] else f"FAIL {same} {refcheck}"
         log(f"  {label:<40} rows {len(case.local_rows):>7}  tile {case.tile:>3}  {status}")
         del case
+        if progress:
+            progress.save()
 
 
-def run_timings(libs, timings: list[Timing], iters: int, flush, copy_bw: float, seed_base: int) -> list[dict]:
+def run_timings(libs, timings: list[Timing], iters: int, flush, copy_bw: float, seed_base: int,
+                out: list[dict] | None = None, progress: Progress | None = None) -> list[dict]:
     log(f"{'shape':<44} {'rows':>7} {'pristine us':>12} {'patched us':>11} {'ratio':>7} {'GB/s':>6} {'%copy':>6}")
-    out = []
+    out = [] if out is None else out
     for i, timing in enumerate(timings):
         case = Case(torch_, timing.shape, seed=seed_base + i)
         rows_walk = timing.walk == "rows"
@@ -563,6 +607,8 @@ def run_timings(libs, timings: list[Timing], iters: int, flush, copy_bw: float, 
         log(f"{timing.label:<44} {len(case.local_rows):>7} {t_pri:>12.1f} {t_pat:>11.1f} {t_pri / t_pat:>7.2f} "
             f"{bw / 1e9:>6.0f} {100 * bw / copy_bw:>5.0f}%")
         del case
+        if progress:
+            progress.save()
     return out
 
 
@@ -626,33 +672,39 @@ def main(argv=None) -> int:
     if arch != "sm_103a":
         log(f"note: these numbers are for {props.name} ({arch}); the serving target is B300 (sm_103a), and a "
             "comparison with B300 figures is across devices")
+    progress = Progress(Path(args.json) if args.json else None, {
+        "gpu": props.name, "arch": arch, "sms": props.multi_processor_count, "nvcc": nvcc, "nvcc_path": str(cuda),
+        "torch": torch_.__version__, "torch_cuda": torch_.version.cuda,
+        "cross_device_note": None if arch == "sm_103a" else
+        f"measured on {props.name} ({arch}); B300 (sm_103a) figures are another device"})
+    progress.save()
     t_start = time.time()
     libs = {name: Library(path) for name, path in build(revs, arch, cuda, out, args.jobs).items()}
     if libs["pristine"].has_mn_limit or not libs["patched"].has_mn_limit:
         log("note: the 'patched' library does not take MN limits: is the patch applied to the tree?")
+    if not libs["patched"].has_max_num_ctas:
+        log("note: the 'patched' library does not take the MN-limit array's length: an older revision")
     gen = np.random.default_rng(0)
     flush = torch_.empty(max(2 * props.L2_cache_size, 64 << 20), dtype=torch_.uint8, device="cuda")
     copy_bw = copy_bandwidth(1 << 30)
     log(f"copy bandwidth (1 GiB device-to-device, read + write): {copy_bw / 1e9:.0f} GB/s")
-
-    results, failures = [], []
-    run_checks(libs, check_grid(not args.smoke), 1000, gen, args.ref_rows, results, failures)
+    result = progress.result
+    result.update(copy_GBps=copy_bw / 1e9, patched_takes_max_num_ctas=libs["patched"].has_max_num_ctas)
+    results, failures = result["checks"], result["failures"]
+    progress.save("checks")
+    run_checks(libs, check_grid(not args.smoke), 1000, gen, args.ref_rows, results, failures, progress)
     log(f"checks done at {time.time() - t_start:.0f} s")
-    timings = run_timings(libs, timing_grid(not args.smoke), args.iters, flush, copy_bw, 5000)
+    progress.save("timings")
+    timings = run_timings(libs, timing_grid(not args.smoke), args.iters, flush, copy_bw, 5000,
+                          result["timings"], progress)
 
     goals = goals_of(timings)
     for name, met, value in goals:
         if not met or "B300" in name or "copy" in name:
             log(f"goal {'met   ' if met else 'MISSED'} {name}: {value}")
     log(f"{sum(met for _, met, _ in goals)} of {len(goals)} goals met; done in {time.time() - t_start:.0f} s")
-    result = {"gpu": props.name, "arch": arch, "sms": props.multi_processor_count, "nvcc": nvcc,
-              "nvcc_path": str(cuda), "torch": torch_.__version__, "torch_cuda": torch_.version.cuda,
-              "cross_device_note": None if arch == "sm_103a" else
-              f"measured on {props.name} ({arch}); B300 (sm_103a) figures are another device",
-              "copy_GBps": copy_bw / 1e9, "timings": timings, "checks": results, "failures": failures,
-              "goals": goals}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    result["goals"] = goals
+    progress.save("done")
     if args.png:
         try:
             import plot

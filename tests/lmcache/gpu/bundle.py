@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+STAMP = "SOURCES.json"  # written over the finished bundle by `make gpu-bundles` (distbuild.gpubundles)
 SOURCE_ARCHIVE = "lmcache-src.tar.gz"
 WHEELS = "wheels"
 # What setup.py build_ext and the tests read (LMCache's docs, examples,
@@ -108,7 +109,7 @@ def check_manifest(bundle: Path, manifest: dict, hashes: bool = True) -> list[st
             problems.append(f"{rel}: {path.stat().st_size} bytes, {MANIFEST} says {entry['bytes']}")
         elif hashes and sha256(path) != entry["sha256"]:
             problems.append(f"{rel}: sha256 differs from {MANIFEST}")
-    present = {str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file()} - {MANIFEST}
+    present = {str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file()} - {MANIFEST, STAMP}
     for rel in sorted(present - set(files)):
         problems.append(f"{rel}: in the bundle but not in {MANIFEST}")
     if SOURCE_ARCHIVE not in files:

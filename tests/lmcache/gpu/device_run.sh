@@ -4,14 +4,20 @@
 # From the repository root, with the bundle carried (make_bundle.py; README.md beside this file):
 #   OUT=/some/dir tests/lmcache/gpu/device_run.sh [BUNDLE_DIR]      (default work/lmcache-gpu-bundle)
 #
-# Steps, each timed into $OUT/lmcache-gpu.log and $OUT/lmcache-gpu.json:
+# Steps, each timed into $OUT/lmcache-gpu.log and $OUT/lmcache-gpu.json (rewritten after every
+# step; the other files go to $DETAILS, default $OUT):
+#   stamp    the bundle's SOURCES.json against the carried patches/lmcache (a stale bundle: exit 2)
 #   detect   python/torch/CUDA/nvcc/ninja and the GPU's arch (TORCH_CUDA_ARCH_LIST from it)
 #   deps     a venv over the machine's Python (its torch), the bundle's wheels it lacks (install_deps.py)
 #   build    LMCache's extensions from the carried patched source, in place
 #            (setup.py build_ext --inplace: lmcache.cuda_ops + the common C++ ones; MAX_JOBS=nproc)
-#   test     pytest -m gpu on the gpu-marked tests/lmcache files, junit XML into $OUT
+#   test     pytest -m gpu on the gpu-marked tests/lmcache files, junit XML into $DETAILS
 #   leaveout the 0010 proof on the tree without 0010 and 0011 (the series' leave-out rule): it must
 #            fail with its fails_with, "paged KV differs" (strict xfail, tests/conftest.py)
+# Deadlines: DEADLINE_S (default 540) bounds the whole script; the build gets what is left less
+# the test steps' share, the test and leave-one-out steps split the rest, and the summary is
+# written inside it. GPU_FREE: when set, the GPU steps wait until that file exists (another part
+# has the GPU until then). MAX_JOBS: the build's parallel compiles (default nproc).
 # Environment: PYTHON (default python3: the machine's torch), DIST_NO_GPU_EXT=1 for the CPU
 # rehearsal (check_local.sh): the CUDA build is SKIPPED (NO_GPU_EXT=1, common C++ extensions
 # only), no GPU is required, and the gpu tests are collected and skip for want of CUDA.
@@ -26,12 +32,23 @@ BUNDLE=$(cd "${1:-work/lmcache-gpu-bundle}" 2>/dev/null && pwd) \
 PYTHON=${PYTHON:-python3}
 REHEARSAL=${DIST_NO_GPU_EXT:-0}
 W=${DIST_GPU_WORK:-${TMPDIR:-/tmp}/dist-lmcache-gpu}
-mkdir -p "$OUT"
+DETAILS=${DETAILS:-$OUT}
+DEADLINE=$((SECONDS + ${DEADLINE_S:-540}))
+mkdir -p "$OUT" "$DETAILS"
 LOG=$OUT/lmcache-gpu.log
-STEPS=$OUT/steps.tsv
+STEPS=$DETAILS/steps.tsv
 : > "$LOG"; : > "$STEPS"
 log() { echo "$*" | tee -a "$LOG"; }
 fail() { log "device_run.sh: $*"; summary; exit 2; }
+left() { echo $((DEADLINE - SECONDS)); }
+# limit SHARE_PERCENT RESERVE CAP: a step's time limit, SHARE_PERCENT of what is left once
+# RESERVE seconds are kept for the steps after it, at most CAP.
+limit() {
+  local t=$(( ($(left) - $2) * $1 / 100 ))
+  [ "$t" -lt "$3" ] || t=$3
+  [ "$t" -gt 5 ] || t=5
+  echo "$t"
+}
 
 step() {  # step NAME CMD...: run, time, record; the command's output goes to the log
   local name=$1; shift
@@ -40,15 +57,16 @@ step() {  # step NAME CMD...: run, time, record; the command's output goes to th
   "$@" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   printf '%s\t%s\t%s\n' "$name" "$((SECONDS - t0))" "$rc" >> "$STEPS"
-  log "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  log "=== $name: rc=$rc in $((SECONDS - t0)) s, $(left) s left"
+  summary > /dev/null
   return "$rc"
 }
 
 summary() {
-  "$PYTHON" - "$STEPS" "$OUT" "$REHEARSAL" <<'EOF' 2>&1 | tee -a "$LOG"
+  python3 - "$STEPS" "$DETAILS" "$REHEARSAL" "$OUT/lmcache-gpu.json" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
-steps_file, out, rehearsal = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1"
+steps_file, out, rehearsal, dest = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", Path(sys.argv[4])
 steps = [dict(zip(("step", "seconds", "rc"), line.split("\t"))) for line in steps_file.read_text().splitlines()]
 summary = {"rehearsal_without_cuda": rehearsal, "steps": [{**s, "seconds": int(s["seconds"]), "rc": int(s["rc"])} for s in steps]}
 for name in ("junit.xml", "junit-leaveout.xml"):
@@ -66,7 +84,9 @@ for name in ("junit.xml", "junit-leaveout.xml"):
 env = out / "env.json"
 if env.is_file():
     summary["env"] = json.loads(env.read_text())
-(out / "lmcache-gpu.json").write_text(json.dumps(summary, indent=1) + "\n")
+partial = dest.with_name(dest.name + ".partial")
+partial.write_text(json.dumps(summary, indent=1) + "\n")
+partial.replace(dest)
 print("steps:", ", ".join(f"{s['step']} {s['seconds']} s (rc {s['rc']})" for s in summary["steps"]))
 EOF
 }
@@ -77,7 +97,7 @@ detect() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "nvidia-smi: none"
   (nvcc --version 2>&1 | tail -2) || echo "nvcc: none"
   echo "ninja: $(ninja --version 2>&1 || echo none)  cores: $(nproc)"
-  "$PYTHON" - "$OUT/env.json" <<'EOF'
+  "$PYTHON" - "$DETAILS/env.json" <<'EOF'
 import json, os, shutil, site, sys, sysconfig
 from pathlib import Path
 env = {"python": sys.version.split()[0], "executable": sys.executable, "in_venv": sys.prefix != sys.base_prefix,
@@ -96,8 +116,10 @@ Path(sys.argv[1]).write_text(json.dumps(env, indent=1) + "\n")
 print(json.dumps(env))
 EOF
 }
+step stamp env PYTHONPATH="$REPO/build" python3 -m distbuild.gpubundles check "$BUNDLE" \
+  || fail "the bundle at $BUNDLE is not this tree's (above): make gpu-bundles"
 step detect detect || fail "cannot run $PYTHON"
-envget() { "$PYTHON" -c "import json,sys; v=json.load(open('$OUT/env.json')).get('$1'); print('' if v is None else v)"; }
+envget() { "$PYTHON" -c "import json,sys; v=json.load(open('$DETAILS/env.json')).get('$1'); print('' if v is None else v)"; }
 [ -n "$(envget torch)" ] || fail "$PYTHON has no torch ($(envget torch_error)); set PYTHON to the machine's torch Python"
 [ "$(envget python_h)" = True ] || fail "$PYTHON has no Python.h: LMCache's extensions cannot be built with it"
 if [ "$REHEARSAL" = 1 ]; then
@@ -148,6 +170,10 @@ if [ -f "$W/fallback-target" ]; then VPY=$PYTHON; SITE=:$W/site; fi
 
 # ---- build ------------------------------------------------------------------------------
 build() {
+  # All that is left but what the GPU steps after it need (GPU_STEPS_S), at most BUILD_TIMEOUT_S.
+  local build_s
+  build_s=$(limit 100 "${GPU_STEPS_S:-150}" "${BUILD_TIMEOUT_S:-480}")
+  echo "build limit: $build_s s (MAX_JOBS=${MAX_JOBS:-$(nproc)})"
   mkdir -p "$W/lmcache" && tar -xzf "$BUNDLE/lmcache-src.tar.gz" -C "$W/lmcache" || return 2
   local abi
   abi=$(envget cxx11_abi)
@@ -157,14 +183,21 @@ build() {
   else
     export BUILD_WITH_CUDA=1
   fi
+  # The archive has no git metadata, which setuptools-scm (where the Python has it) would
+  # read the version from: give it the stamped release.
+  local version
+  version=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["series"]["lmcache"]["version"])' \
+    "$BUNDLE/SOURCES.json") || return 2
   (cd "$W/lmcache" && env ${SITE:+PYTHONPATH=${SITE#:}} ENABLE_CXX11_ABI="$abi" MAX_JOBS="${MAX_JOBS:-$(nproc)}" NVCC_THREADS=1 \
-     timeout "${BUILD_TIMEOUT_S:-480}" "$VPY" setup.py build_ext --inplace > "$OUT/build.log" 2>&1)
+     SETUPTOOLS_SCM_PRETEND_VERSION="$version" SETUPTOOLS_SCM_PRETEND_VERSION_FOR_LMCACHE="$version" \
+     VCS_VERSIONING_PRETEND_VERSION_FOR_LMCACHE="$version" \
+     timeout "$build_s" "$VPY" setup.py build_ext --inplace > "$DETAILS/build.log" 2>&1)
   local rc=$?
-  tail -5 "$OUT/build.log"
+  tail -5 "$DETAILS/build.log"
   # Per compile unit (ninja's log: start and end in ms), slowest first: the next estimate's data.
   find "$W/lmcache/build" -name .ninja_log -exec awk -F'\t' 'NR > 1 {printf "%6.1f s  %s\n", ($2 - $1) / 1000, $4}' {} \; \
     | sort -rn | head -15
-  [ "$rc" = 0 ] || { echo "build failed (rc $rc): $OUT/build.log"; return 2; }
+  [ "$rc" = 0 ] || { echo "build failed (rc $rc, limit $build_s s): build.log"; return 2; }
   local mods="lmcache.lmcache_native lmcache.lmcache_redis lmcache.lmcache_fs"
   [ "$REHEARSAL" = 1 ] || mods="$mods lmcache.cuda_ops"
   (cd "$W" && PYTHONPATH="$W/lmcache$SITE" "$VPY" -c "
@@ -175,12 +208,24 @@ for m in sys.argv[1:]:
 step build build || fail "LMCache's extensions did not build or import (build.log)"
 
 # ---- test -------------------------------------------------------------------------------
+# ---- the GPU: another part may hold it until $GPU_FREE exists -----------------------------
+wait_gpu() {
+  [ -n "${GPU_FREE:-}" ] || return 0
+  echo "waiting for $GPU_FREE"
+  while [ ! -e "$GPU_FREE" ]; do
+    [ "$(left)" -gt 60 ] || { echo "the GPU was not free with a minute left"; return 1; }
+    sleep 1
+  done
+}
+step gpu-wait wait_gpu || fail "the GPU did not become free in time"
+
 mapfile -t FILES < <(grep -l 'pytest.mark.gpu' tests/lmcache/test_*.py)
 log "gpu-marked LMCache test files: ${FILES[*]}"
 PYTEST=(env PYTHONPATH="$REPO:$W/lmcache$SITE" PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 TMPDIR="$W/tmp"
-        timeout "${TEST_TIMEOUT_S:-420}" "$VPY" -m pytest -p no:cacheprovider -p tests.lmcache.gpu.device_plugin -m gpu -rA)
+        timeout "$(limit 65 10 "${TEST_TIMEOUT_S:-420}")" "$VPY" -m pytest -p no:cacheprovider
+        -p tests.lmcache.gpu.device_plugin -m gpu -rA)
 [ "$REHEARSAL" = 1 ] || PYTEST+=(--device-require-gpu)
-step test "${PYTEST[@]}" --junitxml "$OUT/junit.xml" "${FILES[@]}" < /dev/null
+step test "${PYTEST[@]}" --junitxml "$DETAILS/junit.xml" "${FILES[@]}" < /dev/null
 test_rc=$?
 
 # ---- leave-one-out: the 0010 proof without 0010 --------------------------------------------
@@ -197,8 +242,8 @@ if [ -d "$BUNDLE/leaveout" ]; then
     while read -r rel; do [ -z "$rel" ] || rm -f "$W/without/$rel"; done < "$BUNDLE/leaveout/DELETE"
     echo "without $patch: $(find "$BUNDLE/leaveout/lmcache" -name '*.py' | wc -l) files replaced, $(grep -c . "$BUNDLE/leaveout/DELETE") removed"
     env PYTHONPATH="$REPO:$W/without$SITE" DIST_LMCACHE_TREE="without:$patch" PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 \
-      TMPDIR="$W/tmp" timeout "${TEST_TIMEOUT_S:-420}" "$VPY" -m pytest -p no:cacheprovider \
-      -p tests.lmcache.gpu.device_plugin "${LEAVEOUT_GPU[@]}" -m gpu -rA --junitxml "$OUT/junit-leaveout.xml" "${FILES[@]}"
+      TMPDIR="$W/tmp" timeout "$(limit 100 10 "${TEST_TIMEOUT_S:-420}")" "$VPY" -m pytest -p no:cacheprovider \
+      -p tests.lmcache.gpu.device_plugin "${LEAVEOUT_GPU[@]}" -m gpu -rA --junitxml "$DETAILS/junit-leaveout.xml" "${FILES[@]}"
   }
   step leaveout leaveout < /dev/null || test_rc=1
 fi
