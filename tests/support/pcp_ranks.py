@@ -339,13 +339,23 @@ def _context():
 
     if _FORKSERVER is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(
-            # LMCache's token database imports vLLM's hash functions when vLLM is
-            # installed (~7-13 s here): import it once in the server too.
-            ["torch", "torch.distributed", "vllm.v1.core.kv_cache_utils", "lmcache.v1.cache_engine", "tests.lmcache.pcp_scenarios"]
-        )
+        ctx.set_forkserver_preload(_forkserver_preload())
         _FORKSERVER = ctx
     return _FORKSERVER
+
+
+def _forkserver_preload() -> list[str]:
+    """torch always; LMCache (and vLLM's hash functions, which its token database imports when
+    vLLM is installed: ~7-13 s here) only where there is no CUDA device. LMCache picks its
+    device when imported, which initialises CUDA where there is one, and a process forked from
+    one that has initialised CUDA cannot use it ("Cannot re-initialize CUDA in forked
+    subprocess"): there each rank imports LMCache itself."""
+    import torch
+
+    modules = ["torch", "torch.distributed"]
+    if not torch.cuda.is_available():
+        modules += ["vllm.v1.core.kv_cache_utils", "lmcache.v1.cache_engine", "tests.lmcache.pcp_scenarios"]
+    return modules
 
 
 def run_ranks(

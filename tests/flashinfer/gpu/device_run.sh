@@ -26,6 +26,25 @@ PYTHONPATH=build python3 -m distbuild.gpubundles check "$BUNDLE" 2>&1 | tee "$OU
 PYTHONUNBUFFERED=1 "${PYTHON:-python3}" tests/flashinfer/gpu/run.py --bundle "$BUNDLE" --out "$BUILD_DIR" \
   --jobs 2 --json "$OUT/activation.json" --png "$OUT/activation.png" 2>&1 | tee -a "$OUT/activation.log"
 rc=${PIPESTATUS[0]}
+# Where the time goes at decode sizes (decode_probe.py), with the revision in ACTIVATION_PREVIOUS
+# as a third where set; then the kernels alone under Nsight Compute, where the machine has it.
+PREVIOUS=()
+[ -z "${ACTIVATION_PREVIOUS:-}" ] || PREVIOUS=(--previous "$ACTIVATION_PREVIOUS")
+probe=(tests/flashinfer/gpu/decode_probe.py --bundle "$BUNDLE" "${PREVIOUS[@]}" --out "$BUILD_DIR")
+{
+  echo "=== decode probe"
+  PYTHONUNBUFFERED=1 timeout 120 "${PYTHON:-python3}" "${probe[@]}" --json "$BUILD_DIR/decode-probe.json"
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ -n "$NCU" ]; then
+    timeout 150 "$NCU" --metrics gpu__time_duration.sum -k regex:activationDeepSeek --csv \
+      --log-file "$BUILD_DIR/decode-ncu.csv" "${PYTHON:-python3}" "${probe[@]}" --launch-only \
+      --json "$BUILD_DIR/decode-ncu-order.json" > "$BUILD_DIR/decode-ncu.out" 2>&1 \
+      && "${PYTHON:-python3}" tests/flashinfer/gpu/decode_probe.py --ncu-summary "$BUILD_DIR/decode-ncu.csv" \
+        --json "$BUILD_DIR/decode-ncu-order.json" || echo "ncu: failed (decode-ncu.out in details)"
+  else
+    echo "ncu: not on this machine"
+  fi
+} 2>&1 | tee -a "$OUT/activation.log"
 # The SASS of both libraries, for reading the dependent loads the PTX analysis counts.
 if command -v cuobjdump > /dev/null; then
   for lib in "$BUILD_DIR"/libactivation_*.so; do
