@@ -9,8 +9,9 @@ module measures the hops a kernel's first pass takes before it reads its data: f
 * the branch predicates that decide whether its block runs at all (control dependence, from
   the post-dominator tree),
 
-following every instruction in between. Loop back edges are dropped first, so the depths are
-those of a warp's first iteration, which is the whole of a decode batch's work.
+following every instruction in between. Loop back edges lead to a sink ("the next iteration")
+instead of the loop's head, so the depths are those of a warp's first iteration, which is the
+whole of a decode batch's work, and what follows a loop still waits for the branch that ends it.
 
 "Data loads" are the loads of the FC1 output: 8- or 16-bit elements (the earlier kernel's one
 element per thread) or vectors (the current kernel's 128-bit accesses). The index, the padded
@@ -28,6 +29,7 @@ LABEL = re.compile(r"^(\$?[\w$]+):$")
 NO_DESTINATION = ("st.", "bra", "ret", "exit", "bar", "barrier", "red.", "prefetch", "membar", "fence",
                   "griddepcontrol", "trap", "call", "pmevent", "cp.async.wait", "cp.async.commit")
 DATA_WIDTHS = {"8", "16"}
+NEXT_ITERATION = "<next-iteration>"
 
 
 @dataclass
@@ -142,7 +144,8 @@ def _dominators(order: list[str], preds: dict[str, list[str]], entry: str) -> di
 
 
 def _first_pass_graph(blocks: list[Block]) -> tuple[list[str], dict[str, list[str]]]:
-    """Blocks reachable from the entry, in topological order, with the loop back edges dropped."""
+    """Blocks reachable from the entry, in topological order, with every loop back edge led to
+    one sink, NEXT_ITERATION, instead of the loop's head."""
     succ = {b.label: b.successors for b in blocks}
     reachable, stack = [], [blocks[0].label]
     while stack:
@@ -153,7 +156,10 @@ def _first_pass_graph(blocks: list[Block]) -> tuple[list[str], dict[str, list[st
     order = [b.label for b in blocks if b.label in reachable]
     preds = {n: [p for p in order if n in succ[p]] for n in order}
     dom = _dominators(order, preds, order[0])
-    dag = {n: [s for s in succ[n] if s not in dom[n]] for n in order}  # s dominating n: a back edge
+    # s dominating n: a back edge, which the first pass leaves for the sink
+    dag = {n: list(dict.fromkeys(NEXT_ITERATION if s in dom[n] else s for s in succ[n])) for n in order}
+    order.append(NEXT_ITERATION)
+    dag[NEXT_ITERATION] = []
     indegree = {n: 0 for n in order}
     for n in order:
         for s in dag[n]:
@@ -207,6 +213,8 @@ def load_depths(body: str) -> list[Load]:
     branch_depth: dict[str, int] = {}
     loads: list[Load] = []
     for label in topo:
+        if label == NEXT_ITERATION:
+            continue
         control = max((branch_depth[a] for a in controllers[label] if a in branch_depth), default=0)
         for ins in blocks[label].instructions:
             regs = ins.sources + ([ins.guard] if ins.guard else [])

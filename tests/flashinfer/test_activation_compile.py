@@ -46,6 +46,7 @@ import re
 import pytest
 
 from tests.flashinfer import activation_build as ab
+from tests.flashinfer import ptx_load_depth
 
 ARCHS = ("sm_103a", "sm_100a", "sm_90a")
 DTYPES = ("float_e4m3_t", "bfloat16_t", "half_t")
@@ -115,9 +116,13 @@ def builds(toolchain, tmp_path_factory):
     return result
 
 
-def _deepseek(build: dict, dtype: str | None = None) -> dict[str, dict]:
+DEEPSEEK_KERNELS = ("activationDeepSeekKernel", "activationDeepSeekSmallBatchKernel")
+
+
+def _deepseek(build: dict, dtype: str | None = None, kernels: tuple[str, ...] = DEEPSEEK_KERNELS) -> dict[str, dict]:
+    """The DeepSeek kernels' instantiations (both of the patched file's by default)."""
     return {n: s for n, s in build["stats"].items()
-            if "activationDeepSeekKernel" in n and (dtype is None or f"cutlass{len(dtype)}{dtype}" in n)}
+            if any(f"{len(k)}{k}I" in n for k in kernels) and (dtype is None or f"cutlass{len(dtype)}{dtype}" in n)}
 
 
 def _table(builds) -> str:
@@ -161,6 +166,8 @@ def test_every_instantiation_is_kept(builds, arch):
         missing = kinds("pristine", kernel) - kinds("patched", kernel)
         assert not missing, f"{kernel}: the patched file no longer instantiates {sorted(missing)} on {arch}"
     assert {d for d, _ in kinds("patched", "activationDeepSeekKernel")} == set(DTYPES)
+    every = {(d, pdl) for d in DTYPES for pdl in "01"}
+    assert kinds("patched", "activationDeepSeekSmallBatchKernel") == every
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -177,10 +184,44 @@ def test_deepseek_kernel_has_no_block_reduction(builds, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_deepseek_kernel_uses_128bit_accesses(builds, arch):
-    for name in _deepseek(builds[("patched", arch)]):
+    for name in _deepseek(builds[("patched", arch)], kernels=DEEPSEEK_KERNELS[:1]):
         body = builds[("patched", arch)]["ptx"][name]
         assert re.search(r"ld\.global(\.\w+)*\.v4\.(u32|b32|f32)", body), f"{ab.short_name(name)}: no 16B loads"
         assert re.search(r"st\.global(\.\w+)*\.v4\.(u32|b32|f32)", body), f"{ab.short_name(name)}: no 16B stores"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_small_batch_kernel_gives_each_lane_four_elements(builds, arch):
+    """The small-batch kernel: one 4-element access per lane and half (32-bit for E4m3, 64-bit for
+    the 16-bit types), so a scaling block is a whole warp: no 16B access, a 5-step butterfly."""
+    for name in _deepseek(builds[("patched", arch)], kernels=DEEPSEEK_KERNELS[1:]):
+        body = builds[("patched", arch)]["ptx"][name]
+        assert not re.search(r"(ld|st)\.global(\.\w+)*\.v4\.", body), f"{ab.short_name(name)}: 16B accesses"
+        if "float_e4m3" in name:
+            assert re.search(r"st\.global(\.\w+)*\.(u32|b32)\s", body), f"{ab.short_name(name)}: no 32-bit store"
+        else:
+            assert re.search(r"ld\.global(\.\w+)*\.v2\.(u32|b32)", body), f"{ab.short_name(name)}: no 64-bit load"
+        assert body.count("shfl.sync.bfly") >= 5, f"{ab.short_name(name)}: fewer than 5 butterfly steps"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_data_loads_wait_for_no_more_loads_than_pristine(builds, arch):
+    """A decode batch is latency-bound: before it reads the FC1 output, a warp of either patched
+    kernel waits for no more global loads than the pristine kernel's threads do (two: the index
+    and the padded total in parallel, then the data), counted through data and control
+    dependences in the PTX (ptx_load_depth). The previous revision of the patch read the MN limit
+    only after the total, one round trip more; fixtures/ keeps its PTX, which this check fails."""
+    for dtype in DTYPES:
+        for pdl in ("0", "1"):
+            def depths(tree):
+                build = builds[(tree, arch)]
+                return {n: ptx_load_depth.data_load_depth(build["ptx"][n]) for n in _deepseek(build, dtype)
+                        if re.search(rf"ELb{pdl}E", n)}
+            pristine, patched = depths("pristine"), depths("patched")
+            assert pristine and len(patched) == 2, (dtype, pdl, list(patched))
+            assert set(pristine.values()) == {2}, pristine
+            deeper = {ab.short_name(n): d for n, d in patched.items() if d > max(pristine.values())}
+            assert not deeper, f"{dtype}, pdl {pdl}, {arch}: data loads deeper than pristine's 2: {deeper}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,6 +1,6 @@
 """gpu/plot.py: the harness result as a PNG, and a clear error for what is not a result.
 
-The recorded run in gpu/results/ (an H200, sm_90a) is the input: the plot must be written
+The recorded run in gpu/results/ (an H200, sm_90a; earlier runs in results/earlier/) is the input: the plot must be written
 from the very JSON run.py wrote there, and its numbers must be the ones the log beside it
 printed (so the record is one run, not an edited file). matplotlib comes with the test
 environment (scripts/requirements.txt), so these never skip.
@@ -35,17 +35,21 @@ def test_plot_writes_a_png_from_the_recorded_run(tmp_path):
 
 
 def test_recorded_json_matches_its_log():
+    """The recorded JSON is the run its log printed: every timed shape with its microseconds and
+    ratio as printed, every checked case, and a run that finished (stage "done")."""
     data = json.loads(RESULT.read_text())
     log = LOG.read_text()
-    run2 = log.split("# run 2", 1)[1].split("# Nsight Compute", 1)[0]
-    rows = re.findall(r"^\s*(\d+)\s+(random|skewed)\s+\d+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", run2, re.M)
-    assert len(rows) == len(data["timings"]) == 6
-    for (tokens, routing, pristine, patched, ratio), t in zip(rows, data["timings"]):
-        assert (int(tokens), routing) == (t["tokens"], t["routing"])
+    table = log.split("%copy\n", 1)[1].split("goal ", 1)[0]
+    rows = re.findall(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+\d+\s+\d+%$", table, re.M)
+    assert len(rows) == len(data["timings"]) == 27
+    for (label, local_rows, pristine, patched, ratio), t in zip(rows, data["timings"]):
+        assert (label, int(local_rows)) == (t["label"], t["local_rows"])
         assert float(pristine) == pytest.approx(t["pristine_us"], abs=0.05)
         assert float(patched) == pytest.approx(t["patched_us"], abs=0.05)
         assert float(ratio) == pytest.approx(t["ratio"], abs=0.005)
-    assert data["failures"] == []
+    checked = re.search(r"bit-identical and within the CPU reference's bounds: (\d+) of (\d+) cases", log)
+    assert checked and int(checked.group(1)) == int(checked.group(2)) == len(data["checks"]) == 124
+    assert data["stage"] == "done" and data["failures"] == []
 
 
 @pytest.mark.parametrize("content, expect", [

@@ -16,8 +16,13 @@ width, dtype and grid size the harness runs, before a GPU runs the real thing:
   one index load, one data load and one store on each warp's dependent path, and every lane of a
   narrow (256-wide, TP8) row has a vector.
 
-The GPU harness (gpu/run.py) checks the kernel itself: bit-identity with the pristine kernel on
-every case kind.
+Both kernels share the walk: ``activationDeepSeekKernel`` with 16-byte vectors, two per lane and
+iteration, and ``activationDeepSeekSmallBatchKernel`` with 4 elements per lane, one per iteration
+(``VARIANTS``), which the launcher takes when the slots' 16-byte vectors fill at most a quarter of
+the resident warps (``launcher_variant``).
+
+The GPU harness (gpu/run.py) checks the kernels themselves: bit-identity with the pristine kernel
+on every case kind.
 """
 from __future__ import annotations
 
@@ -30,34 +35,59 @@ NUM_THREADS_PER_CTA = 128
 NUM_ELTS_PER_SF = 128
 NUM_VECS_PER_SPAN = NUM_CHUNKS_PER_ITER * WARP_SIZE
 ELT_BYTES = {"e4m3": 1, "bf16": 2, "fp16": 2}
+SMALL_BATCH_ELTS_PER_THREAD = 4
+SMALL_BATCH_WAVE_FRACTION = 4
 
 
-def launcher_grid(num_rows_bound: int, output_dim: int, dtype: str, num_ctas_resident: int) -> int:
-    """launchActivationDeepSeek: CTAs for one span per warp, at most those resident at once."""
-    num_elts_per_thread = 16 // ELT_BYTES[dtype]
-    num_vecs_per_cta = NUM_CHUNKS_PER_ITER * NUM_THREADS_PER_CTA
+def elts_per_thread(dtype: str, variant: str) -> int:
+    return 16 // ELT_BYTES[dtype] if variant == "wide" else SMALL_BATCH_ELTS_PER_THREAD
+
+
+def chunks_per_iter(variant: str) -> int:
+    return NUM_CHUNKS_PER_ITER if variant == "wide" else 1
+
+
+VARIANTS = ("wide", "small")
+
+
+def launcher_variant(num_tokens: int, top_k: int, output_dim: int, dtype: str, num_ctas_resident: int) -> str:
+    """launchActivationDeepSeek's choice: small when the slots' 16B vectors fill at most a quarter
+    of the resident warps."""
+    vecs = num_tokens * top_k * (output_dim // (16 // ELT_BYTES[dtype]))
+    warps = -(-vecs // NUM_VECS_PER_SPAN)
+    resident_warps = num_ctas_resident * (NUM_THREADS_PER_CTA // WARP_SIZE)
+    return "small" if warps * SMALL_BATCH_WAVE_FRACTION <= resident_warps else "wide"
+
+
+def launcher_grid(num_rows_bound: int, output_dim: int, dtype: str, num_ctas_resident: int,
+                  variant: str = "wide") -> int:
+    """deepSeekGrid: CTAs for one span per warp, at most those resident at once."""
+    num_elts_per_thread = elts_per_thread(dtype, variant)
+    num_vecs_per_cta = chunks_per_iter(variant) * NUM_THREADS_PER_CTA
     num_vecs = num_rows_bound * (output_dim // num_elts_per_thread)
     return max(1, min(num_ctas_resident, -(-num_vecs // num_vecs_per_cta)))
 
 
-def walk(num_rows: int, output_dim: int, dtype: str, grid: int):
+def walk(num_rows: int, output_dim: int, dtype: str, grid: int, variant: str = "wide"):
     """The kernel's loop: per warp and iteration, each lane's (chunk, row, hiddenIdx).
 
     Returns arrays (warp, iteration, chunk, lane, row, hidden) over every lane-chunk whose row is
     below numRows (the others load nothing).
     """
-    num_elts_per_thread = 16 // ELT_BYTES[dtype]
+    num_elts_per_thread = elts_per_thread(dtype, variant)
+    num_chunks = chunks_per_iter(variant)
+    num_vecs_per_span = num_chunks * WARP_SIZE
     num_vecs_per_row = output_dim // num_elts_per_thread
     num_warps_per_cta = NUM_THREADS_PER_CTA // WARP_SIZE
-    stride_vecs = grid * num_warps_per_cta * NUM_VECS_PER_SPAN
+    stride_vecs = grid * num_warps_per_cta * num_vecs_per_span
     stride_rows, stride_cols = divmod(stride_vecs, num_vecs_per_row)
     out = []
     lanes = np.arange(WARP_SIZE)
     for warp_idx in range(grid * num_warps_per_cta):
-        span_row, span_col = divmod(warp_idx * NUM_VECS_PER_SPAN, num_vecs_per_row)
+        span_row, span_col = divmod(warp_idx * num_vecs_per_span, num_vecs_per_row)
         iteration = 0
         while span_row < num_rows:
-            for chunk in range(NUM_CHUNKS_PER_ITER):
+            for chunk in range(num_chunks):
                 vec = span_col + chunk * WARP_SIZE + lanes
                 row = span_row + vec // num_vecs_per_row
                 hidden = (vec % num_vecs_per_row) * num_elts_per_thread
@@ -76,26 +106,27 @@ def walk(num_rows: int, output_dim: int, dtype: str, grid: int):
     return tuple(np.concatenate(out, axis=1))
 
 
-CASES = [(rows, width, dtype, grid)
+CASES = [(rows, width, dtype, grid, variant)
          for width in (128, 256, 384, 1536, 2048)
          for dtype in ("e4m3", "bf16")
-         for rows, grid in ((1, 1), (16, 3), (128, 1056), (1000, 7), (257, 132))]
+         for rows, grid in ((1, 1), (16, 3), (128, 1056), (1000, 7), (257, 132))
+         for variant in VARIANTS]
 
 
-@pytest.mark.parametrize("num_rows,width,dtype,grid", CASES)
-def test_every_vector_is_visited_once(num_rows, width, dtype, grid):
-    warp, iteration, chunk, lane, row, hidden = walk(num_rows, width, dtype, grid)
-    num_elts_per_thread = 16 // ELT_BYTES[dtype]
+@pytest.mark.parametrize("num_rows,width,dtype,grid,variant", CASES)
+def test_every_vector_is_visited_once(num_rows, width, dtype, grid, variant):
+    warp, iteration, chunk, lane, row, hidden = walk(num_rows, width, dtype, grid, variant)
+    num_elts_per_thread = elts_per_thread(dtype, variant)
     flat = row * width + hidden
     assert len(flat) == num_rows * width // num_elts_per_thread
     assert len(np.unique(flat)) == len(flat)
     assert (hidden % num_elts_per_thread == 0).all() and (hidden < width).all() and (hidden >= 0).all()
 
 
-@pytest.mark.parametrize("num_rows,width,dtype,grid", CASES)
-def test_scaling_block_lanes_share_one_row_and_block(num_rows, width, dtype, grid):
-    warp, iteration, chunk, lane, row, hidden = walk(num_rows, width, dtype, grid)
-    threads_per_sf = NUM_ELTS_PER_SF // (16 // ELT_BYTES[dtype])
+@pytest.mark.parametrize("num_rows,width,dtype,grid,variant", CASES)
+def test_scaling_block_lanes_share_one_row_and_block(num_rows, width, dtype, grid, variant):
+    warp, iteration, chunk, lane, row, hidden = walk(num_rows, width, dtype, grid, variant)
+    threads_per_sf = NUM_ELTS_PER_SF // elts_per_thread(dtype, variant)
     group = (warp * 1000 + iteration) * 1000 + chunk * 100 + lane // threads_per_sf
     block = row * (width // NUM_ELTS_PER_SF) + hidden // NUM_ELTS_PER_SF
     for g in np.unique(group):
@@ -106,20 +137,41 @@ def test_scaling_block_lanes_share_one_row_and_block(num_rows, width, dtype, gri
     assert len(np.unique(block)) == len(np.unique(group))
 
 
+def max_num_ctas_in_batch_dim(num_tokens: int, top_k: int, num_experts: int, tile: int) -> int:
+    """Routing::getMaxNumCtasInBatchDim: the MN-limit array's length, the rows walk's bound in tiles."""
+    slots = num_tokens * top_k
+    filled = min(num_experts, slots)
+    return filled + (slots - filled) // tile
+
+
 @pytest.mark.parametrize("num_tokens", [1, 2, 8, 16])
 @pytest.mark.parametrize("num_ctas_resident", [132 * 6, 148 * 8, 160 * 8])  # H200 (SM90 variant), B200, B300
-def test_decode_takes_one_span_per_warp(num_tokens, num_ctas_resident):
-    """EP8 decode, width 2048, tile 8 (the tile the runner picks for so few tokens): the grid the
-    launcher sizes from its bound has a warp for every span of the real rows, so no warp iterates
-    twice (pristine: one dependent data load per CTA as well)."""
+def test_decode_takes_the_small_batch_kernel_one_span_per_warp(num_tokens, num_ctas_resident):
+    """EP8 decode, width 2048, tile 8 (the tile the runner picks for so few tokens): the launcher
+    takes the small-batch kernel, whose grid (sized from the rows walk's bound, the MN-limit
+    array's tiles) has a warp for every span of the rows a decode batch can have, so no warp
+    iterates twice and each lane activates 4 elements (the wide kernel's lanes took 32, a serial
+    chain a microsecond long on an H200 at 2 to 16 tokens). The rows counted are the worst case,
+    every local slot in a tile of its own; on the H200's SM90 build (6 CTAs per SM) that case at 8
+    and 16 tokens needs a second iteration."""
     top_k, tile, width = 8, 8, 2048
-    bound = num_tokens * top_k * tile  # the launcher's bound on the permuted rows
-    grid = launcher_grid(bound, width, "e4m3", num_ctas_resident)
+    assert launcher_variant(num_tokens, top_k, width, "e4m3", num_ctas_resident) == "small"
+    bound = max_num_ctas_in_batch_dim(num_tokens, top_k, 256, tile) * tile
+    grid = launcher_grid(bound, width, "e4m3", num_ctas_resident, "small")
     real_rows = min(num_tokens * top_k, 32) * tile  # at most one padded tile per local slot
-    warp, iteration, *_ = walk(real_rows, width, "e4m3", grid)
-    assert iteration.max() == 0
-    spans_per_row = width // 16 // NUM_VECS_PER_SPAN
-    assert spans_per_row == 2  # a 2048-wide E4m3 row is shared by two warps, not one warp twice
+    warp, iteration, chunk, lane, row, hidden = walk(real_rows, width, "e4m3", grid, "small")
+    assert iteration.max() == (1 if num_ctas_resident == 132 * 6 and num_tokens >= 8 else 0)
+    assert width // SMALL_BATCH_ELTS_PER_THREAD // WARP_SIZE == 16  # a row is 16 warps, a block 1
+
+
+@pytest.mark.parametrize("num_tokens,width,experts,variant", [
+    (16, 2048, 32, "small"), (64, 2048, 32, "wide"), (256, 2048, 32, "wide"),
+    (16, 256, 256, "small"), (256, 256, 256, "small"), (1024, 256, 256, "wide"), (32768, 2048, 32, "wide")])
+def test_the_launcher_keeps_the_wide_kernel_where_bandwidth_counts(num_tokens, width, experts, variant):
+    """On an H200's SM90 build (132 SMs x 6 CTAs): decode and small TP8 batches take the
+    small-batch kernel; from 64 EP8 tokens (where the wide kernel was already 1.4x the pristine
+    one) and prefill on, the wide one."""
+    assert launcher_variant(num_tokens, 8, width, "e4m3", 132 * 6) == variant
 
 
 def test_narrow_rows_keep_every_lane_busy():

@@ -66,7 +66,7 @@ def ncu_summary(csv_path: Path, order_path: Path) -> list[dict]:
         lines = [line for line in f if line.startswith('"')]  # ncu's own messages are not CSV
     for row in csv.DictReader(lines):
         if row.get("Metric Name") == "gpu__time_duration.sum":
-            scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[row["Metric Unit"]]
+            scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[row["Metric Unit"]]
             durations.append((int(row["ID"]), float(row["Metric Value"].replace(",", "")) * scale))
     durations = [us for _, us in sorted(durations)]
     if len(durations) != 3 * len(order):
