@@ -226,11 +226,11 @@ def _left_out_site_builder(layout: Layout, python: Path):
     installed_tree = stamp.read_text().strip()
 
     def build(variant: leaveout.LeftOut) -> Path:
-        dest = layout.work / "leaveout" / Path(variant.patch).stem
+        dest = layout.work / "leaveout" / variant.stem
         changed = leaveout.changed_paths(repo, installed_tree, variant.tree_hash)
         if all(path.endswith(".py") for path in changed):
             return leaveout.overlay_site(repo, variant.tree_hash, installed_tree, installed, dest)
-        number = variant.patch.split("-", 1)[0]
+        number = variant.patch.split("-", 1)[0] + (f".{variant.part.replace('-', '.')}" if variant.part else "")
         built = testenv.Variant(f"without-{number}", venv, tree, variant.tree_hash,
                                 f"{version}+dist.without.{number}", dest)
         testenv.install(built, python, layout.wheels, layout.work / "logs")

@@ -20,6 +20,18 @@ not apply without N and is not declared is an error, so the series file
 stays true; so is a declaration that names a patch that is not later in the
 series.
 
+A proof may state a property of one part of patch N (the stream a load
+runs on, say) that the series without all of N cannot isolate: there the
+feature is missing and the proof fails before it reaches that property. Such
+a part is a diff, ``<parts dir>/<patch stem>.<part>.diff``, that applies on
+the tree after N and removes that part only (its leading text says what and
+why; the project keeps them in ``tests/parts/lmcache/``). Its variant is the
+series with N replaced by N less the part: the commit of N, the part's diff,
+then every later commit; a later commit that does not apply is an error (a
+part removes what N adds, not what a later patch needs), and so is a diff
+that applies on the tree before N as well (it would not undo anything of N's).
+The variant is named ``<patch file>:<part>``.
+
 Most patches change only Python files. Their variant reuses the patched
 build's compiled package: a copy of the installed ``lmcache`` package with
 the files the variant tree has differently put over it, first on
@@ -40,19 +52,68 @@ from .gitrepo import PRISTINE_REF, Repo, git_env
 
 LEAVE_OUT = re.compile(r"^#\s*leave-out:\s*(?P<patch>\S+)\s+with\s+(?P<with>[^:]+):\s*(?P<why>\S.*)$")
 PACKAGE = "lmcache"
+PART_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+PART_SUFFIX = ".diff"
 
 
 @dataclass(frozen=True)
 class LeftOut:
-    patch: str                # the patch file left out
+    patch: str                # the patch file left out (or, with ``part``, the patch that part is of)
     tree_hash: str            # the variant's tree
     dependents: tuple[str, ...]  # later patches left out with it (declared or not applying)
     changed: tuple[str, ...]  # paths the variant has differently from the patched tree
     undeclared: tuple[str, ...] = ()  # dependents that did not apply and are not declared
+    part: str | None = None   # only this part of ``patch`` is left out (see Part)
 
     @property
     def python_only(self) -> bool:
         return all(path.endswith(".py") for path in self.changed)
+
+    @property
+    def name(self) -> str:
+        """What ``DIST_LMCACHE_TREE=without:<name>`` and the proof map call the variant."""
+        return variant_name(self.patch, self.part)
+
+    @property
+    def stem(self) -> str:
+        """A file name for the variant's logs and site folder."""
+        stem = Path(self.patch).stem
+        return f"{stem}.{self.part}" if self.part else stem
+
+
+def variant_name(patch: str, part: str | None) -> str:
+    return f"{patch}:{part}" if part else patch
+
+
+@dataclass(frozen=True)
+class Part:
+    """A part of one patch that a leave-one-out variant removes alone."""
+    patch: str   # the patch file the part is of
+    name: str    # the part's name, as proofs' ``part=`` give it
+    path: Path   # the diff that removes it, applied on the tree after ``patch``
+
+    @property
+    def variant(self) -> str:
+        return variant_name(self.patch, self.name)
+
+
+def series_parts(parts_dir: Path, patches: list[str]) -> list[Part]:
+    """The parts in ``parts_dir``, in series order; a file that names no patch
+    of the series, or whose part name is not [a-z0-9-], is an error."""
+    if not parts_dir.is_dir():
+        return []
+    by_stem = {Path(patch).stem: patch for patch in patches}
+    parts: list[Part] = []
+    for path in sorted(parts_dir.iterdir()):
+        if not path.is_file():
+            continue
+        stem, dot, name = path.name.removesuffix(PART_SUFFIX).rpartition(".")
+        if not path.name.endswith(PART_SUFFIX) or not dot or stem not in by_stem or not PART_NAME.match(name):
+            raise DistBuildError(f"{path}: a part is <patch stem>.<part>{PART_SUFFIX}, for a patch of the series "
+                                 f"and a part name of [a-z0-9-]")
+        parts.append(Part(by_stem[stem], name, path))
+    order = {patch: i for i, patch in enumerate(patches)}
+    return sorted(parts, key=lambda part: (order[part.patch], part.name))
 
 
 def declared_dependents(series_file: Path) -> dict[str, tuple[set[str], str]]:
@@ -79,13 +140,28 @@ def series_commits(repo: Repo, patches: list[str]) -> list[str]:
     return commits
 
 
-def variant_tree(repo: Repo, commits: list[str], index: int, declared: set[int]) -> tuple[str, list[int]]:
+def variant_tree(repo: Repo, commits: list[str], index: int, declared: set[int],
+                 part: Path | None = None) -> tuple[str, list[int]]:
     """The tree of the series without commit ``index``, the ``declared`` later
-    commits, and the later commits that do not apply without them."""
+    commits, and the later commits that do not apply without them.
+
+    With ``part`` (a diff), commit ``index`` stays and loses only what that
+    diff removes: it must apply on the tree after the commit and not on the
+    tree before it."""
     dropped: list[int] = []
     with tempfile.TemporaryDirectory(prefix="dist-leaveout-") as tmp:
         env = dict(git_env(), GIT_INDEX_FILE=str(Path(tmp) / "index"))
         repo.git("read-tree", f"{commits[index]}^", env=env)
+        if part is not None:
+            diff = part.read_bytes()
+            if repo.git("apply", "--cached", "--check", "-", input=diff, env=env, check=False).returncode == 0:
+                raise DistBuildError(f"{part}: applies on the tree before the patch it is a part of as well, "
+                                     "so it removes nothing that patch adds")
+            repo.git("read-tree", commits[index], env=env)
+            applied = repo.git("apply", "--cached", "--whitespace=nowarn", "-", input=diff, env=env, check=False)
+            if applied.returncode != 0:
+                raise DistBuildError(f"{part}: does not apply on the tree after the patch it is a part of: "
+                                     f"{applied.stderr.decode(errors='replace').strip()}")
         for later in range(index + 1, len(commits)):
             if later in declared:
                 dropped.append(later)
@@ -116,12 +192,28 @@ def left_out_variants(tree: Path, patches: list[str],
     return out
 
 
+def part_variants(tree: Path, patches: list[str], parts: list[Part]) -> list[LeftOut]:
+    """One variant per part: the series with the part's patch less that part.
+    A later patch that does not apply there is in the variant's ``undeclared``
+    (check_declarations names it); a part cannot leave later patches out."""
+    repo = Repo(tree)
+    commits = series_commits(repo, patches)
+    head = repo.tree("HEAD")
+    out: list[LeftOut] = []
+    for part in parts:
+        tree_hash, dropped = variant_tree(repo, commits, patches.index(part.patch), set(), part.path)
+        changed = tuple(repo.out("diff", "--name-only", head, tree_hash).splitlines())
+        names = tuple(patches[i] for i in dropped)
+        out.append(LeftOut(part.patch, tree_hash, names, changed, names, part=part.name))
+    return out
+
+
 def check_declarations(variants: list[LeftOut], declared: dict[str, tuple[set[str], str]],
                        series_file: Path) -> list[str]:
     """Problems: a later patch that does not apply and is not declared; a
     declaration naming a patch that is not later in the series."""
     problems: list[str] = []
-    order = [v.patch for v in variants]
+    order = [v.patch for v in variants if v.part is None]
     for patch, (names, _) in sorted(declared.items()):
         if patch not in order:
             problems.append(f"{series_file}: leave-out names {patch}, which the series does not list")
@@ -130,7 +222,13 @@ def check_declarations(variants: list[LeftOut], declared: dict[str, tuple[set[st
             if name not in order or order.index(name) <= order.index(patch):
                 problems.append(f"{series_file}: leave-out of {patch} names {name}, which is not a later patch")
     for variant in variants:
-        if variant.undeclared:
+        if variant.undeclared and variant.part is not None:
+            problems.append(
+                f"{series_file}: without the {variant.part} part of {variant.patch}, "
+                f"{', '.join(variant.undeclared)} {'do' if len(variant.undeclared) != 1 else 'does'} not apply: "
+                "a part must remove only what its patch adds and later patches do not edit"
+            )
+        elif variant.undeclared:
             wanted = sorted({*declared.get(variant.patch, (set(), ""))[0], *variant.undeclared})
             problems.append(
                 f"{series_file}: without {variant.patch}, {', '.join(variant.undeclared)} "

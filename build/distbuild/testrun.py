@@ -10,7 +10,9 @@ Phases:
    (``leaveout.py``), and N's proofs against it, as strict xfail that must
    fail for the reason the proof states (``fails_with``): a proof that fails
    on pristine only because a later patch's module is missing is caught
-   here.
+   here. A proof of one part of N (``fixes(N, part=...)``) runs instead on
+   the series with N less that part (``tests/parts/lmcache/``), and not on
+   the series without N.
 4. ``peer``: LMCache's own CPU tests listed in ``tests/peer/suite.txt``,
    against a real Valkey, first with the pristine build, then with the
    patched build (plus the upstream-style test files the series adds); every
@@ -36,6 +38,7 @@ from . import leaveout
 from .errors import DistBuildError
 from .gitrepo import PRISTINE_REF, Repo
 
+PARTS_DIR = Path("tests") / "parts" / "lmcache"
 PHASE_TIMEOUT_S = 40 * 60
 # One test that hangs (a lookup with no bound on the pristine tree did, in phase 2) fails after
 # this long instead of holding its phase until PHASE_TIMEOUT_S and CI's budget (pytest-timeout,
@@ -207,7 +210,8 @@ def leave_one_out_jobs() -> int:
 
 
 def read_proof_map(path: Path) -> dict[str, list[str]]:
-    """{patch: test files holding its proofs}, as tests/conftest.py wrote it in phase 1; {} if absent."""
+    """{variant: test files holding its proofs}, as tests/conftest.py wrote it in phase 1 (a variant is a
+    patch file, or ``<patch file>:<part>`` for the proofs of one part of it); {} if absent."""
     if not path.is_file():
         return {}
     try:
@@ -242,7 +246,8 @@ def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: 
                       pytest_args: list[str], extra_env: dict[str, str],
                       proof_files: dict[str, list[str]] | None = None,
                       pool: concurrent.futures.Executor | None = None) -> tuple[Outcome, list[str]]:
-    """Phase 3: each patch's proofs against the series without that patch only.
+    """Phase 3: each patch's proofs against the series without that patch only,
+    and each part's proofs against the series with that part of its patch removed.
 
     Variants run in ``pool`` (shared with phase 2; else a pool of their own),
     each with its own TMPDIR and log (work/logs/leave-one-out/); a variant's log
@@ -253,6 +258,7 @@ def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: 
     series_file = repo / "patches" / "lmcache" / "series"
     declared = leaveout.declared_dependents(series_file)
     variants = leaveout.left_out_variants(tree, series, declared)
+    variants += leaveout.part_variants(tree, series, leaveout.series_parts(repo / PARTS_DIR, series))
     problems = leaveout.check_declarations(variants, declared, series_file)
     proof_files = proof_files or {}
     jobs = leave_one_out_jobs()
@@ -261,30 +267,32 @@ def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: 
     total = Outcome()
 
     def run_variant(number: int, variant: leaveout.LeftOut, site: Path) -> tuple[Outcome, float]:
-        stem = Path(variant.patch).stem
-        env = {**_env(f"without:{variant.patch}", work, {**extra_env, "PYTHONPATH": str(site)}),
+        env = {**_env(f"without:{variant.name}", work, {**extra_env, "PYTHONPATH": str(site)}),
                "TMPDIR": _job_tmp(work, f"leave-one-out-{number}")}
-        files = proof_files.get(variant.patch) or paths
+        files = proof_files.get(variant.name) or paths
         t0 = time.monotonic()
+        junit = f"{variant.stem if variant.part else variant.patch}.xml"
         outcome = run_pytest(python, [*files, "-m", "fixes", *pytest_args], repo,
-                             work / "test-results" / "leave-one-out" / f"{variant.patch}.xml", env,
-                             f"phase 3/4: without {variant.patch}", log=work / "logs" / "leave-one-out" / f"{stem}.log")
+                             work / "test-results" / "leave-one-out" / junit, env,
+                             f"phase 3/4: without {variant.name}", log=work / "logs" / "leave-one-out" / f"{variant.stem}.log")
         return outcome, time.monotonic() - t0
 
     def judge(number: int, variant: leaveout.LeftOut, outcome: Outcome, seconds: float) -> None:
-        label = f"phase 3/4: leave-one-out {number}/{len(variants)}, without {variant.patch}"
-        if variant.dependents:
+        what = f"the {variant.part} part of {variant.patch}" if variant.part else variant.patch
+        label = f"phase 3/4: leave-one-out {number}/{len(variants)}, without {what}"
+        if variant.dependents and not variant.part:
             label += f" (and {', '.join(variant.dependents)}, which build on it)"
         found: list[str] = []
         if outcome.returncode not in (0, 1, 5):
-            found.append(f"phase 3: pytest could not run the proofs of {variant.patch} (exit "
+            found.append(f"phase 3: pytest could not run the proofs of {what} (exit "
                          f"{outcome.returncode}; see its log below)")
         elif outcome.returncode == 5 or not outcome.xfailed | outcome.failed:
-            found.append(f"phase 3: {variant.patch} has no proof (no test marked fixes({variant.patch!r}))")
+            marker = f"fixes({variant.patch!r}, part={variant.part!r})" if variant.part else f"fixes({variant.patch!r})"
+            found.append(f"phase 3: {what} has no proof (no test marked {marker})")
         elif outcome.failed:
-            found.append(f"phase 3: {len(outcome.failed)} proof(s) of {variant.patch} did not fail for "
+            found.append(f"phase 3: {len(outcome.failed)} proof(s) of {what} did not fail for "
                          f"their stated reason without it: " + ", ".join(sorted(outcome.failed)[:5]))
-        log = work / "logs" / "leave-one-out" / f"{Path(variant.patch).stem}.log"
+        log = work / "logs" / "leave-one-out" / f"{variant.stem}.log"
         print(f"{label}: {len(outcome.xfailed)} proof(s) failed for their stated reason, "
               f"{len(outcome.failed)} did not, {seconds:.0f} s", flush=True)
         if found:
@@ -299,7 +307,7 @@ def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: 
         pending: dict[concurrent.futures.Future, tuple[int, leaveout.LeftOut]] = {}
         for number, variant in enumerate(variants, start=1):
             if variant.undeclared:
-                print(f"phase 3/4: leave-one-out {number}/{len(variants)}, without {variant.patch}: "
+                print(f"phase 3/4: leave-one-out {number}/{len(variants)}, without {variant.name}: "
                       f"not run (undeclared dependents)", flush=True)
                 continue
             # Sites are built here, one at a time (a variant with compiled changes builds a wheel),
@@ -311,7 +319,8 @@ def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: 
             outcome, seconds = future.result()
             judge(number, variant, outcome, seconds)
     print(f"\nleave-one-out: {len(variants)} variants ({sum(bool(v.dependents) for v in variants)} with "
-          f"dependents left out too), {len(total.xfailed)} proofs failed for their stated reason, "
+          f"dependents left out too, {sum(bool(v.part) for v in variants)} removing a part of a patch), "
+          f"{len(total.xfailed)} proofs failed for their stated reason, "
           f"{len(total.failed)} did not, in {time.monotonic() - started:.0f} s ({jobs} runs at a time)", flush=True)
     return total, problems
 

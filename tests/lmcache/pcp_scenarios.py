@@ -279,6 +279,31 @@ def load_with_fault(
     }
 
 
+def load_on_device_streams(ctx: RankContext, seed: int, num_chunks: int) -> dict:
+    """Store a prompt (every rank its own chunks), clear the paged KV,
+    retrieve, synchronize the device as a caller does before it reads the KV,
+    and report the chunks whose paged KV differs from what was stored. Needs
+    a run with ``device_streams`` (tests/support/device_streams.py)."""
+    import torch
+
+    assert ctx.streams is not None, "run with engine_options={'device_streams': True}"
+    tokens = prompt_tokens(seed, num_chunks)
+    num_tokens = len(tokens)
+    ctx.kv.fill(seed, num_tokens)
+    reference = ctx.kv.kv[:, :, :num_tokens, :].clone()
+    ctx.engine.store(tokens)
+    ctx.kv.kv.zero_()
+    log_start = len(ctx.collectives.log)
+    mask = ctx.engine.retrieve(tokens, req_id=f"streams-{seed}")
+    ctx.streams.synchronize()
+    differs = [
+        start
+        for start in range(0, num_tokens, CHUNK_SIZE)
+        if not torch.equal(ctx.kv.kv[:, :, start : start + CHUNK_SIZE], reference[:, :, start : start + CHUNK_SIZE])
+    ]
+    return {"prefix": int(mask.sum()), "differs": differs, "collectives": ctx.collectives.log[log_start:]}
+
+
 def report_l1(ctx: RankContext) -> dict:
     return {"l1_bytes": l1_capacity_bytes(ctx)}
 

@@ -1,16 +1,26 @@
-"""0009's sharded load on a GPU, through LMCache's real CUDA connector.
+"""0009's sharded load on a GPU, through LMCache's real CUDA connectors.
 
 Two ranks share one GPU and form a PCP group over gloo (gloo broadcasts CUDA
 tensors; NCCL would need one device per rank). Each rank runs LMCache's real
-engine with VLLMPagedMemGPUConnectorV2 on a vLLM-MLA-layout paged KV cache
-(per layer [blocks, block_size, head_size], bf16) with a shuffled slot
-mapping, stores the prompt (every rank its own chunks), zeroes the paged KV
-and retrieves. The chunks are large (61 layers x 256 tokens x 576: 18 MB)
-and the staging buffer holds three of them, so every rank runs many
-host-to-device copies, broadcasts and paged-KV writes back to back: a
-paged-KV write on the connector's load stream that does not wait for the
-copy or broadcast that fills its buffer (the defect this proves fixed)
-reads stale bytes. The paged KV must come back byte for byte on both ranks.
+engine with a paged connector, VLLMPagedMemGPUConnectorV2 or V3 (the one the
+presets use: use_gpu_connector_v3), on a vLLM-MLA-layout paged KV cache (per
+layer [blocks, block_size, head_size], bf16) with a shuffled slot mapping,
+stores the prompt (every rank its own chunks), zeroes the paged KV and
+retrieves. The chunks are large (61 layers x 256 tokens x 576: 18 MB) and the
+staging buffer holds three of them, so every rank runs many host-to-device
+copies, broadcasts and paged-KV writes back to back. Both connectors write
+the paged KV on their own load stream; gloo's broadcast of a CUDA tensor
+delivers on a side stream that only the caller's current stream waits for.
+A paged-KV write that does not wait for the copy or broadcast that fills its
+buffer reads stale bytes. The paged KV must come back byte for byte on both
+ranks.
+
+The proof is of 0010's stream-order part (tests/parts/lmcache/): its
+leave-one-out tree is the series with 0010 less the wrapper that puts the
+load's device work on the broadcast stream, where the load still runs and the
+race is what is left. Without the whole of 0010 there is no sharded load to
+race. test_0010_pcp_shard_load_stream_order.py proves the same on CPU, with
+CUDA's stream ordering modelled.
 
 Needs a GPU and LMCache's CUDA extension; skipped elsewhere.
 """
@@ -32,7 +42,7 @@ NUM_CHUNKS = 24
 CHUNK_MB = NUM_LAYERS * CHUNK_SIZE * HEAD_SIZE * 2 / 1024**2
 
 
-def gpu_rank(rank: int, world_size: int, workdir: str, rounds: int) -> dict:
+def gpu_rank(rank: int, world_size: int, workdir: str, rounds: int, connector_class: str) -> dict:
     from datetime import timedelta
 
     import torch
@@ -44,7 +54,7 @@ def gpu_rank(rank: int, world_size: int, workdir: str, rounds: int) -> dict:
     )
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.gpu_connector.gpu_connectors import VLLMPagedMemGPUConnectorV2
+    from lmcache.v1.gpu_connector import gpu_connectors
     from lmcache.v1.pcp_collectives import PCPCollectives
 
     device = torch.device("cuda", 0)
@@ -66,13 +76,6 @@ def gpu_rank(rank: int, world_size: int, workdir: str, rounds: int) -> dict:
     metadata = mla_metadata(
         MODEL, world_size, rank, pcp_world_size=world_size, num_layers=NUM_LAYERS, head_size=HEAD_SIZE, chunk_size=CHUNK_SIZE
     )
-    connector = VLLMPagedMemGPUConnectorV2.from_metadata(metadata, use_gpu=False, device=device)
-    engine = LMCacheEngineBuilder.get_or_create(
-        f"gpu-pcp-{rank}", config, metadata, connector, collectives.broadcast, collectives.broadcast_object,
-        pcp_collectives=collectives,
-    )
-    engine.post_init()
-
     num_tokens = NUM_CHUNKS * CHUNK_SIZE
     num_blocks = num_tokens // BLOCK_SIZE + 4
     gen = torch.Generator(device=device).manual_seed(97)  # the same KV on both ranks
@@ -80,6 +83,18 @@ def gpu_rank(rank: int, world_size: int, workdir: str, rounds: int) -> dict:
         torch.randn(num_blocks, BLOCK_SIZE, HEAD_SIZE, generator=gen, device=device, dtype=torch.bfloat16)
         for _ in range(NUM_LAYERS)
     ]
+    connector = getattr(gpu_connectors, connector_class).from_metadata(metadata, use_gpu=False, device=device)
+    # V3 builds its layer groups (which size every memory object) when the
+    # caches are registered, as LMCache's vLLM adapter does before the engine
+    # exists; V2 has no such step.
+    register = getattr(connector, "register_kv_caches", None)
+    if register is not None:
+        register(kvcaches)
+    engine = LMCacheEngineBuilder.get_or_create(
+        f"gpu-pcp-{rank}", config, metadata, connector, collectives.broadcast, collectives.broadcast_object,
+        pcp_collectives=collectives,
+    )
+    engine.post_init()
     perm = torch.randperm(num_blocks * BLOCK_SIZE, generator=torch.Generator().manual_seed(5))[:num_tokens]
     slot_mapping = perm.to(device=device, dtype=torch.int64)
     reference = [layer.clone() for layer in kvcaches]
@@ -107,10 +122,11 @@ def gpu_rank(rank: int, world_size: int, workdir: str, rounds: int) -> dict:
     return {"loaded": loaded, "mismatched": mismatched}
 
 
-@pytest.mark.fixes(SYNC, fails_with=r"paged KV differs")
-def test_sharded_load_through_the_cuda_connector_is_byte_exact(tmp_path):
+@pytest.mark.fixes(SYNC, part="stream-order", fails_with=r"paged KV differs")
+@pytest.mark.parametrize("connector_class", ["VLLMPagedMemGPUConnectorV2", "VLLMPagedMemGPUConnectorV3"])
+def test_sharded_load_through_the_cuda_connector_is_byte_exact(tmp_path, connector_class):
     rounds = 5
-    results = run_processes(2, gpu_rank, tmp_path, timeout_s=540, rounds=rounds)
+    results = run_processes(2, gpu_rank, tmp_path, timeout_s=540, rounds=rounds, connector_class=connector_class)
     assert [r["loaded"] for r in results] == [[NUM_CHUNKS * CHUNK_SIZE] * rounds] * 2, results
     for rank, result in enumerate(results):
         assert not result["mismatched"], f"rank {rank}: paged KV differs from the stored KV in (round, layer) {result['mismatched'][:10]}"

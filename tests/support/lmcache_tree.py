@@ -3,7 +3,8 @@
 ``patched`` has the whole series, ``pristine`` none of it, and
 ``without:<patch>`` (the leave-one-out phase) lacks that patch and the later
 ones the series' ``# leave-out:`` lines leave out with it
-(build/distbuild/leaveout.py). A test's own setup or teardown may need a fix
+(build/distbuild/leaveout.py); ``without:<patch>:<part>`` has every patch, one
+of them less that part (tests/parts/). A test's own setup or teardown may need a fix
 the build lacks (a close that hangs without 0018): it asks here instead of
 working around the fix on every tree.
 """
@@ -34,6 +35,8 @@ def has_patch(patch: str) -> bool:
     if tree == "pristine":
         return False
     left_out = tree.removeprefix("without:")
+    if ":" in left_out:
+        return True  # every patch applies; only a part of one is left out
     if patch == left_out:
         return False
     return patch not in _declared_dependents().get(left_out, (set(), ""))[0]

@@ -10,6 +10,11 @@ What stands in for what, and why:
 * ``ResponseRecorder`` stands in for the async lookup server's ZMQ channel to
   the scheduler: it records the token count each rank's storage layer
   reports for a lookup id.
+* With ``engine_options={"device_streams": True}``, CUDA's stream ordering
+  (tests/support/device_streams.py): the cache engine's ``torch_dev`` orders
+  work on streams as CUDA does, the PCP broadcast delivers on the caller's
+  current stream, and the connector writes the paged KV on a load stream of
+  its own, as LMCache's paged connectors (V2, V3) do.
 
 Everything else is the real thing: process groups, the PCP collectives the
 patch series adds, the cache engine, the storage manager, the L1 allocator,
@@ -49,6 +54,7 @@ class RankContext:
     collectives: Any
     workdir: Path
     options: dict = field(default_factory=dict)
+    streams: Any = None  # the DeviceStreams of a run with device_streams, else None
 
 
 class ResponseRecorder:
@@ -81,9 +87,11 @@ def _connector_base():
     return MockGPUConnector
 
 
-def make_kv_connector(max_tokens: int, num_layers: int = NUM_LAYERS, head_size: int = HEAD_SIZE, chunk_size: int = CHUNK_SIZE):
+def make_kv_connector(max_tokens: int, num_layers: int = NUM_LAYERS, head_size: int = HEAD_SIZE,
+                      chunk_size: int = CHUNK_SIZE, streams: Any = None):
     """A CpuPagedKV instance (the class is built lazily so that importing this
-    module does not import LMCache)."""
+    module does not import LMCache). With ``streams`` (a DeviceStreams) it
+    writes the paged KV on a load stream of its own."""
     import torch
 
     base = _connector_base()
@@ -111,7 +119,24 @@ def make_kv_connector(max_tokens: int, num_layers: int = NUM_LAYERS, head_size: 
             for obj, start, end in zip(memory_objs, starts, ends, strict=True):
                 self.kv[:, :, start:end, :] = obj.tensor.reshape(1, num_layers, end - start, head_size)
 
-    return CpuPagedKV()
+    if streams is None:
+        return CpuPagedKV()
+
+    class CpuPagedKVOnLoadStream(CpuPagedKV):
+        """Writes the paged KV as VLLMPagedMemGPUConnectorV2/V3's batched_to_gpu
+        do: under ``stream(self.load_stream)``, then synchronizes that stream.
+        The engine finds ``load_stream`` and makes it its broadcast stream."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.load_stream = streams.Stream()
+
+        def batched_to_gpu(self, memory_objs, starts, ends, **kwargs):
+            with streams.stream(self.load_stream):
+                streams.launch(lambda: CpuPagedKV.batched_to_gpu(self, memory_objs, starts, ends, **kwargs))
+            self.load_stream.synchronize()
+
+    return CpuPagedKVOnLoadStream()
 
 
 def valkey_engine_config(url: str):
@@ -188,6 +213,7 @@ def build_engine(
     num_layers: int = NUM_LAYERS,
     head_size: int = HEAD_SIZE,
     chunk_size: int = CHUNK_SIZE,
+    streams: Any = None,
 ):
     import torch
 
@@ -219,7 +245,7 @@ def build_engine(
         head_size=head_size,
         chunk_size=chunk_size,
     )
-    kv = make_kv_connector(max_tokens, num_layers, head_size, chunk_size)
+    kv = make_kv_connector(max_tokens, num_layers, head_size, chunk_size, streams)
     engine = LMCacheEngineBuilder.get_or_create(
         instance_id,
         config,
@@ -314,14 +340,25 @@ def _engine_rank(
     remote_urls = engine_options.pop("remote_urls", None)
     if remote_urls is not None:
         engine_options["remote_url"] = remote_urls[rank]
+    streams = None
+    if engine_options.pop("device_streams", False):
+        import lmcache.v1.cache_engine as cache_engine
+
+        from tests.support.device_streams import DeviceStreams
+
+        # The rank is a process of its own: the engine keeps this device to the end.
+        streams = DeviceStreams(cache_engine.torch_dev)
+        cache_engine.torch_dev = streams
+        collectives = streams.ordered_broadcasts(collectives)
     engine, kv, responses = build_engine(
         rank,
         world_size,
         collectives,
         instance_id=f"pcp-rank-{rank}",
+        streams=streams,
         **engine_options,
     )
-    ctx = RankContext(rank, world_size, engine, kv, responses, collectives, Path(workdir))
+    ctx = RankContext(rank, world_size, engine, kv, responses, collectives, Path(workdir), streams=streams)
     result = scenario(ctx, **scenario_kwargs)
     dist.barrier(group=cpu_group)
     return result

