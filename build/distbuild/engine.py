@@ -4,8 +4,8 @@
 (a docker client without a reachable daemon does not count). On a Debian
 machine with none of them, running as root, ``install_engine`` installs
 podman, buildah and runc from the configured apt sources and writes a
-``containers.conf`` with the two settings measured on these machines
-(shared/DESIGN.md): the ``runc`` runtime (``crun`` fails on hybrid cgroups)
+``containers.conf`` with the two settings its build hosts need
+(docs/building.md): the ``runc`` runtime (``crun`` fails on hybrid cgroups)
 and container ulimits ``nofile=1024:1024``, ``nproc=4096:4096``.
 """
 from __future__ import annotations
