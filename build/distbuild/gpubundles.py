@@ -7,7 +7,8 @@ A bundle made from other sources than the tree it travels with would time an old
 test an old series without a word, so each bundle holds ``SOURCES.json``:
 
 * ``series``: per upstream, the version and ``series_sha256`` of the patch series the bundle's
-  trees were made from (the manifest's hash: ordered patch names and contents), and the
+  trees were made from (the manifest's hash: ordered patch names and contents), ``parts_sha256``
+  of the patch parts its leave-out variants remove (``tests/parts/<upstream>/``), and the
   patched tree's git tree hash;
 * ``files``: the sha256 of the sources a reader cares about (the activation kernel file, the
   LMCache source archive);
@@ -68,6 +69,15 @@ def carried_series(repo: Path, upstream: str) -> str:
     return series_hash(load_series(repo / "patches" / upstream))
 
 
+def carried_parts(repo: Path, upstream: str) -> str:
+    """One hash over the patch parts a leave-out variant removes (names and contents)."""
+    digest = hashlib.sha256()
+    folder = repo / "tests" / "parts" / upstream
+    for path in sorted(folder.glob("*.diff")) if folder.is_dir() else []:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def _git(tree: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=True).stdout.strip()
 
@@ -79,6 +89,7 @@ def stamp(bundle: Path, repo: Path, work: Path, versions: dict[str, str]) -> dic
     for upstream in BUNDLE_UPSTREAMS[kind]:
         tree = work / "src" / upstream
         series[upstream] = {"version": versions[upstream], "series_sha256": carried_series(repo, upstream),
+                            "parts_sha256": carried_parts(repo, upstream),
                             "patched_tree": _git(tree, "rev-parse", "HEAD^{tree}")}
     record = {
         "bundle": kind,
@@ -115,6 +126,10 @@ def check(bundle: Path, repo: Path) -> list[str]:
             raise StaleBundle(f"{bundle}: made from {upstream} series {made['series_sha256'][:16]}, but "
                               f"{repo / 'patches' / upstream} is series {here[:16]}: a stale bundle; "
                               "run `make gpu-bundles`")
+        parts = carried_parts(repo, upstream)
+        if made.get("parts_sha256", parts) != parts:
+            raise StaleBundle(f"{bundle}: made from other {upstream} patch parts than "
+                              f"{repo / 'tests' / 'parts' / upstream} holds: a stale bundle; run `make gpu-bundles`")
     actual = content_sha256(bundle)
     if actual != content:
         raise StaleBundle(f"{bundle}: its files changed after it was made (content {actual[:16]}, "

@@ -66,6 +66,21 @@ def test_a_bundle_of_another_series_is_refused(tmp_path):
         gpubundles.check(bundle, repo)
 
 
+def test_a_bundle_of_other_patch_parts_is_refused(tmp_path):
+    """A leave-out variant removes a part of a patch (tests/parts/): an edited part is another
+    variant, so a bundle carrying the old one is stale too."""
+    repo, work = _repo(tmp_path)
+    parts = repo / "tests" / "parts" / "lmcache"
+    parts.mkdir(parents=True)
+    (parts / "0001-a-change.stream-order.diff").write_text("--- a\n+++ b\n")
+    bundle = _bundle(work)
+    gpubundles.stamp(bundle, repo, work, {"lmcache": "0.5.5"})
+    gpubundles.check(bundle, repo)
+    (parts / "0001-a-change.stream-order.diff").write_text("--- a\n+++ b\n@@ another @@\n")
+    with pytest.raises(gpubundles.StaleBundle, match="other lmcache patch parts"):
+        gpubundles.check(bundle, repo)
+
+
 def test_a_bundle_changed_after_its_stamp_is_refused(tmp_path):
     repo, work = _repo(tmp_path)
     bundle = _bundle(work)

@@ -12,8 +12,9 @@
 #   build    LMCache's extensions from the carried patched source, in place
 #            (setup.py build_ext --inplace: lmcache.cuda_ops + the common C++ ones; MAX_JOBS=nproc)
 #   test     pytest -m gpu on the gpu-marked tests/lmcache files, junit XML into $DETAILS
-#   leaveout the 0010 proof on the tree without 0010 and 0011 (the series' leave-out rule): it must
-#            fail with its fails_with, "paged KV differs" (strict xfail, tests/conftest.py)
+#   leaveout the 0010 stream-order proofs (V2 and V3 connectors) on the bundle's leave-out variant,
+#            the series with 0010 less its stream wrapper (leaveout/PATCH names it): they must
+#            fail with their fails_with, "paged KV differs" (strict xfail, tests/conftest.py)
 # Deadlines: DEADLINE_S (default 540) bounds the whole script; the build gets what is left less
 # the test steps' share, the test and leave-one-out steps split the rest, and the summary is
 # written inside it. GPU_FREE: when set, the GPU steps wait until that file exists (another part
