@@ -55,6 +55,7 @@ class Outcome:
     skipped: set[str] = field(default_factory=set)
     xfailed: set[str] = field(default_factory=set)
     returncode: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)  # junit's time per test
 
 
 def run_pytest(python: Path, args: list[str], cwd: Path, junit: Path, env: dict[str, str], label: str,
@@ -85,10 +86,21 @@ def run_pytest(python: Path, args: list[str], cwd: Path, junit: Path, env: dict[
     return outcome
 
 
+def slowest_tests(results: dict[str, "Outcome"], most: int = 10) -> str:
+    """The slowest tests of every run, with the run they belong to: the next regression in time
+    shows in CI's own output."""
+    timed = sorted(((secs, run, node) for run, outcome in results.items() for node, secs in outcome.seconds.items()),
+                   reverse=True)[:most]
+    lines = [f"  slowest {len(timed)} tests:"]
+    lines += [f"    {secs:7.1f} s  {run}: {node}" for secs, run, node in timed]
+    return "\n".join(lines)
+
+
 def parse_junit(path: Path) -> Outcome:
     outcome = Outcome()
     for case in ET.parse(path).getroot().iter("testcase"):
         node = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome.seconds[node] = float(case.get("time") or 0)
         skipped = case.find("skipped")
         if case.find("failure") is not None or case.find("error") is not None:
             outcome.failed.add(node)
@@ -461,6 +473,7 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
               f"{len(b.skipped)} skipped; patched {len(p.passed)} passed, {len(p.failed)} failed, "
               f"{len(p.skipped)} skipped; {len(regressed_peer(results))} regression(s), "
               f"{len(added_failed(p, added))} failure(s) in the series' own test files")
+    print(slowest_tests(results))
     for problem in problems:
         print(f"FAILED {problem}")
     print(f"test: {passed} passed, {failed} failed, {skipped} skipped")

@@ -70,3 +70,18 @@ def test_no_engine_leaves_out_the_engine_scenarios_even_where_a_path_names_them(
     assert paths == ["tests"] and args[-1] == f"--ignore={ENGINE_TESTS}"
     with pytest.raises(DistBuildError, match="every path given"):
         without_engine([f"{ENGINE_TESTS}/test_protocol.py::test_x"], [])
+
+
+def test_the_summary_names_the_slowest_tests_of_every_run(tmp_path):
+    """CI's summary lists the ten slowest tests by junit's own times, each with its run."""
+    junit = tmp_path / "junit.xml"
+    cases = "".join(f'<testcase classname="tests.t" name="test_{i}" time="{i}.5"/>' for i in range(12))
+    junit.write_text(f'<testsuites><testsuite name="pytest">{cases}</testsuite></testsuites>')
+    patched = testrun.parse_junit(junit)
+    assert patched.seconds["tests.t::test_3"] == 3.5
+    proofs = testrun.Outcome(seconds={"tests.p::test_proof": 60.0})
+    text = testrun.slowest_tests({"patched": patched, "pristine": proofs})
+    lines = text.splitlines()
+    assert lines[0] == "  slowest 10 tests:" and len(lines) == 11
+    assert lines[1].split() == ["60.0", "s", "pristine:", "tests.p::test_proof"]
+    assert lines[2].endswith("patched: tests.t::test_11") and "tests.t::test_2" not in text
