@@ -2,7 +2,7 @@
 # The GLM-5.3 FP8 serving image for NVIDIA B300 (sm_103a).
 #
 # `make image` builds it (docker, podman or buildah) and then runs its
-# self-test and the arch audit; see README.md, "The image". The ARG defaults
+# self-test and the arch audit; see docs/image.md. The ARG defaults
 # below are the single source of the versions the Dockerfile names; they must
 # equal build/pins.toml (tests/image checks it). Every download is checked by
 # sha256: the sdists and the CUDA compiler wheels by the build tool
@@ -39,7 +39,7 @@ ARG LIBFABRIC_ORIG_SHA256=1a66369772d5bb151737214af1c478993e969cf298e8f9ed369e7a
 ARG TORCH_CUDA_ARCH_LIST=10.3a
 ARG FLASHINFER_CUDA_ARCH_LIST=10.3a
 ARG MAX_JOBS=2
-# Reproducibility (README, "Same inputs, same image"): `make image` passes the commit time of
+# Reproducibility (docs/building.md, "Reproducibility"): `make image` passes the commit time of
 # the last change to the build inputs; wheels are zipped with it, apt/useradd stamp with it,
 # and the engine clamps every file's mtime to it (podman/buildah --timestamp).
 ARG SOURCE_DATE_EPOCH=0

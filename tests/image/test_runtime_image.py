@@ -3,7 +3,7 @@
 Needs the runtime image that ``make image`` builds, named by ``DIST_RUNTIME_IMAGE``, and
 podman or docker. ``make image-check`` sets it (to ``IMAGE_TAG``) and runs these after
 ``make image``; ``make test`` leaves it unset, so these are skipped there, saying so: CI
-does not build that image (README, "What CI builds"), and an image left on a machine by
+does not build that image (docs/testing.md, "Image tests"), and an image left on a machine by
 an older build must not decide a test run of newer code.
 
 The containers run as the image's own user (uid 1000) with ``--network=host`` so that the
