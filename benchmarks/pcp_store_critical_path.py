@@ -22,7 +22,7 @@ Output: one row per (W, mode): bytes per rank (max and mean, their ratio),
 the median over repetitions of the slowest rank's store time (wall, and CPU
 time of the storing thread: the copy runs in that thread, and CPU time does
 not count the time other jobs on this shared machine take the core), and
-per W the ratio rank-0 / sharded of the CPU time, which the goal uses. Goals (issue #4): sharded
+per W the ratio rank-0 / sharded of the CPU time, which the goal uses. Goals (the sharded store's): sharded
 max/mean bytes <= 1 + one chunk's share of the mean, and the slowest rank's
 time reduced close to W times. Writes a JSON next to the table when --json
 is given. Exit status 0 when both goals hold, 3 when a goal is missed.

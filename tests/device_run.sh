@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Every GPU check in one call of a GPU machine that has PyTorch and nvcc but not the trees:
+# Every GPU check in one run on a GPU host that has PyTorch and nvcc but neither the source trees
+# nor a package index:
 #   activation  FlashInfer's activation harness: tests/flashinfer/gpu/device_run.sh
 #   lmcache     LMCache's gpu-marked tests: tests/lmcache/gpu/device_run.sh
 #
-# First, here: `make gpu-bundles` (work/activation-bundle, work/lmcache-gpu-bundle, each stamped
-# with the series it was made from). Then, from the repository root on the GPU machine, with
-# both bundles carried:
+# First, on the build host: `make gpu-bundles` (work/activation-bundle, work/lmcache-gpu-bundle, each stamped
+# with the series it was made from). Then, from the repository root on the GPU host, with
+# both bundles copied with the working tree:
 #   OUT=/results tests/device_run.sh
 # Each bundle's stamp is printed first and a bundle made from another series is refused.
 #
@@ -14,7 +15,7 @@
 # file $GPU_FREE), so that nothing else runs on the GPU while the harness times its kernels.
 # Each part has its own deadline inside TOTAL_S, the parts' steps deadlines inside theirs.
 #
-# $OUT receives seven files, what a results folder of at most eight can carry back:
+# $OUT receives seven files (the GPU host hands back at most eight):
 #   device-run.tsv                         part, seconds, exit status
 #   activation.log .json .png              the harness (its JSON rewritten after every case)
 #   lmcache-gpu.log .json                  LMCache's part (its JSON rewritten after every step)

@@ -3,7 +3,7 @@
 Every word below is a lowercase English word of 2-7 letters. Written with a
 leading space (" water"), each is expected to be one token in the byte-pair
 vocabularies of current large models (about 150k entries); this was not
-checked against GLM-5.3's tokenizer here (no model files on this machine), so
+checked against GLM-5.3's tokenizer (the repository has no model files), so
 the estimate below is only rough until measured. Text is built as
 sentences of :data:`WORDS_PER_SENTENCE` words ending in ``"."``, so a text of
 ``n`` words is about ``n + ceil(n / WORDS_PER_SENTENCE)`` tokens. That estimate

@@ -108,7 +108,7 @@ def test_writeup_eight_instances():
     assert r.aggregate_bandwidth / GB == pytest.approx(10.76)
     assert r.load_seconds == pytest.approx(0.074, abs=0.001)  # "about 74 ms"
     assert r.rho == pytest.approx(0.09, abs=0.005)  # "rho ~ 0.09"
-    assert r.per_rank_bytes / 1e6 == pytest.approx(99, abs=0.5)  # issue 17: "the per-rank share (~99 MB)"
+    assert r.per_rank_bytes / 1e6 == pytest.approx(99, abs=0.5)  # the cost model's reference: "the per-rank share (~99 MB)"
     assert r.steady_state and r.hit_pays_off
 
 
@@ -141,7 +141,7 @@ def test_four_pods_share_the_eight_shards():
     assert r.mean_load_seconds == pytest.approx(r.load_seconds / (1 - r.rho))
     assert r.mean_prompt_bandwidth == pytest.approx(r.aggregate_bandwidth * (1 - r.rho))
     assert r.load_within_timeout and r.pod_rho_low is None
-    # With the write-up's chunk, the contended bandwidth is "about the break-even 2.56 GB/s" (issue 17).
+    # With the write-up's chunk, the contended bandwidth is "about the break-even 2.56 GB/s".
     w = model.evaluate(model.Inputs(S, R, 1.345 * GB, N_TOKENS, 4 * LAMBDA, shards=8, prefill_pods=4))
     assert w.all_pods_bandwidth / w.break_even_bandwidth == pytest.approx(1.05, abs=0.01)
 

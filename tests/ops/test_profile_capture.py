@@ -1,6 +1,6 @@
 """The profiling wrapper: the nsys command, the start/stop window, engine processes, py-spy.
 
-nsys is not on these machines: the command is checked as built, not run.
+nsys is not on the CPU test hosts: the command is checked as built, not run.
 """
 from __future__ import annotations
 

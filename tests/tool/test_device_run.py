@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "device_run.sh"
-# What the device tool brings back: at most 8 files, no deeper than two folders.
+# The GPU host hands back at most 8 result files, no deeper than two folders.
 RETURNED_FILES_MAX = 8
 DECLARED = {"device-run.tsv", "activation.log", "activation.json", "activation.png", "lmcache-gpu.log",
             "lmcache-gpu.json", "details.tar.gz"}
