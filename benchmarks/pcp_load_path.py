@@ -91,8 +91,11 @@ from tests.support.pcp_ranks import run_processes  # noqa: E402
 GEOMETRY_SOURCE = "scripts/kvsizing/geometry.py"
 CHUNK_TOKENS = geometry.CHUNK_TOKENS  # LMCache chunk_size of the presets
 FULL_LAYERS = geometry.LAYERS
-ROW_BYTES = sum(geometry.ROW_BYTES)  # one token of one layer: MLA latent + DSA indexer
-# The stand-in paged KV cache is bf16: one token of one layer is ROW_BYTES / 2 elements.
+# The stand-in paged KV cache is one bf16 tensor per layer, so every layer gets the same row: GLM-5.3's bytes
+# per token (78 latent rows of 576 B and 21 DSA indexer rows of 132 B: 47,700 B) over its 78 layers, 611.5 B,
+# rounded up to an even 612 B (a chunk at 78 layers then 0.08% over the real one). One token of one layer is
+# ROW_BYTES / 2 elements.
+ROW_BYTES = 2 * -(-geometry.KV_BYTES_PER_TOKEN // (2 * FULL_LAYERS))
 HEAD = ROW_BYTES // 2
 assert HEAD * 2 == ROW_BYTES, "the bf16 stand-in needs an even row size"
 FULL_CHUNK_BYTES = geometry.CHUNK_BYTES
@@ -504,9 +507,9 @@ def describe(plans: list[Plan], world_sizes: list[int], device_type: str) -> lis
     lines = [
         "Load path under PCP: rank-0 retrieve vs PCP-sharded retrieve (LMCache patch 0010), "
         f"W = {', '.join(map(str, world_sizes))} ranks over gloo",
-        f"geometry ({GEOMETRY_SOURCE}): {CHUNK_TOKENS}-token chunks, {ROW_BYTES} B per token and layer "
-        f"({' + '.join(map(str, geometry.ROW_BYTES))}: MLA latent + DSA indexer), {FULL_LAYERS} layers "
-        f"= {FULL_CHUNK_BYTES:,} B per chunk",
+        f"geometry ({GEOMETRY_SOURCE}): {CHUNK_TOKENS}-token chunks of {FULL_CHUNK_BYTES:,} B "
+        f"({geometry.GLM53.describe()} per token: MLA latent on every layer, DSA indexer on 21); the stand-in "
+        f"gives each of the {FULL_LAYERS} layers {ROW_BYTES} B per token (their mean, rounded up to even)",
         f"device: none (LMCache's torch_dev is {device_type}): the paged KV cache, the staging buffer and "
         "L1 are CPU memory, 'host-to-device' copies are CPU copies, broadcasts go over gloo on loopback",
     ]

@@ -49,7 +49,7 @@ if str(REPO) not in sys.path:
 from tests.support.pcp_ranks import run_processes  # noqa: E402
 
 # One chunk of an MLA model: 256 tokens x (512 + 64) latent dims, bf16, per
-# layer (GLM-5.3's full chunk, indexer included, is 14.1 MB: kvsizing/geometry.py);
+# layer (GLM-5.3's full chunk, indexer included, is 12.2 MB: kvsizing/geometry.py);
 # --layers 12 makes 3.5 MB chunks, enough
 # for the copy to dominate each rank's fixed per-call cost (every rank hashes
 # the whole prompt's chunk chain, owned or not) without using GBs of RAM.

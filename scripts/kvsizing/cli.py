@@ -6,16 +6,24 @@ Examples:
             --prefill-pods 4 --instance-gbps 1.345            # the deployed 4P cell, 8 shards
   kv-sizing --chunk-bytes 12.4MB --chunk-tokens 256 --prefill-rate 16Ki/0.31s \\
             --instance-gbps 0.9 --shards 1 --prompt-tokens 16Ki --arrival-rate 450/374s   # the write-up's run
-  kv-sizing --kv-row-bytes 656,132 ...                        # FLASHMLA_SPARSE's fp8_ds_mla rows
+  kv-sizing --kv-cache-dtype fp8_ds_mla ...                   # FLASHMLA_SPARSE's fp8_ds_mla rows
+  kv-sizing --model-config /models/GLM-5.3-FP8/config.json ... # another checkpoint's geometry
   kv-sizing --measure resp://valkey-lmcache-0.vllm.svc.cluster.local:6379
   kv-sizing --inputs cell.yaml --measure resp://10.0.3.7:6379 --json
 
-s defaults to GLM-5.3 FP8 with the presets: 78 layers x (576-byte MLA latent +
-132-byte DSA indexer) rows = 55,224 B per token, 14,137,344 B per 256-token
-chunk (kvsizing/geometry.py). Numbers take SI suffixes (k, M, G = 10**3,
-10**6, 10**9; Ki, Mi, Gi = 2**10..) and bytes take B (14.1MB, 55.2KB); a rate
-may be written COUNT/SECONDSs (16Ki/0.31s tokens per second, 450/374s
-requests per second).
+s comes from a model's config.json (--model-config; default GLM-5.3's,
+kvsizing/glm-5.3-fp8.config.json) by vLLM 0.31.0's rule: a 576-byte MLA
+latent row (kv-cache-dtype fp8, the presets; 656 with fp8_ds_mla) on every
+decoder layer and a 132-byte DSA indexer row on the layers that run the
+indexer (index_topk_freq 4, offset 2: 21 of GLM-5.3's 78), 78 x 576 + 21 x 132
+= 47,700 B per token, 12,211,200 B per 256-token chunk (kvsizing/geometry.py).
+Bandwidths are bytes per second as measured: the write-up's (0.78-0.89 GB/s
+for one instance, 8.9 ms per GET on eight) moved its 12.4 MB chunks, and using
+them for another chunk size assumes a GET's server time scales with its
+bytes; --measure measures with this chunk. Numbers take SI suffixes (k, M,
+G = 10**3, 10**6, 10**9; Ki, Mi, Gi = 2**10..) and bytes take B (12.2MB,
+47.7KB); a rate may be written COUNT/SECONDSs (16Ki/0.31s tokens per second,
+450/374s requests per second).
 Exit status: 0 ok, 2 bad or missing input, 3 the measurement failed.
 """
 from __future__ import annotations
@@ -33,13 +41,15 @@ from .model import GB, LOADINGS, InputError, Inputs, evaluate
 FIELDS = {
     # name: (flag, help)
     "prefill_rate": ("--prefill-rate", "prefill rate R of one pod, tokens/s (e.g. 53k or 16Ki/0.31s)"),
-    "instance_gbps": ("--instance-gbps", "GET bandwidth of one Valkey instance, GB/s (or --measure)"),
+    "instance_gbps": ("--instance-gbps", "GET bandwidth of one Valkey instance, GB/s (or --measure), as measured "
+                                         "with its chunk size (the write-up's 0.78-0.89 moved 12.4 MB chunks)"),
     "prompt_tokens": ("--prompt-tokens", "prompt length n, tokens (e.g. 16Ki = 16384)"),
     "arrival_rate": ("--arrival-rate", "arrival rate lambda of cache hits at the whole cell, requests/s "
                                        "(e.g. 4.8 or 450/374s)"),
 }
-# Optional fields; None: derived (s from the geometry, N = W).
-OPTIONAL = {"kv_bytes_per_token": None, "chunk_bytes": None, "kv_row_bytes": None, "layers": geometry.LAYERS,
+# Optional fields; None: derived (s from the model's config, N = W).
+OPTIONAL = {"kv_bytes_per_token": None, "chunk_bytes": None, "kv_row_bytes": None, "layers": None,
+            "model_config": None, "kv_cache_dtype": "fp8", "mtp_layers": 0,
             "chunk_tokens": geometry.CHUNK_TOKENS, "shards": None, "ranks": 8, "prefill_pods": 1,
             "loading": "async", "lookup_timeout_s": 4.0, "target_rho": 0.5}
 
@@ -49,7 +59,7 @@ _NUMBER = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(Ki|Mi|G
 
 
 def parse_number(text, what: str) -> float:
-    """14.1MB, 55.2KB, 53k, 16Ki, 0.9, 450/374s (a count per a duration)."""
+    """12.2MB, 47.7KB, 53k, 16Ki, 0.9, 450/374s (a count per a duration)."""
     if isinstance(text, bool):
         raise InputError(f"{what}: expected a number, got {text!r}")
     if isinstance(text, (int, float)):
@@ -68,7 +78,7 @@ def parse_number(text, what: str) -> float:
         return num / den
     m = _NUMBER.match(text)
     if not m:
-        raise InputError(f"{what}: {text!r} is not a number (examples: 14.1MB, 53k, 16Ki, 450/374s)")
+        raise InputError(f"{what}: {text!r} is not a number (examples: 12.2MB, 53k, 16Ki, 450/374s)")
     return float(m.group(1)) * _SUFFIX[m.group(2) or ""]
 
 
@@ -101,16 +111,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--inputs", type=Path, help="a YAML/JSON file with the fields below (flags override it)")
     for name, (flag, help_) in FIELDS.items():
         p.add_argument(flag, dest=name, help=help_)
-    kv = p.add_argument_group("KV bytes per token s (one of; default: GLM-5.3 FP8 with the presets, "
-                              f"{geometry.KV_BYTES_PER_TOKEN:,} B)")
-    kv.add_argument("--kv-bytes-per-token", dest="kv_bytes_per_token", help="s itself (e.g. 55.2KB)")
+    kv = p.add_argument_group("KV bytes per token s (default: from --model-config, GLM-5.3 FP8 with the presets, "
+                              f"{geometry.GLM53.describe()} = {geometry.KV_BYTES_PER_TOKEN:,} B; or one of "
+                              "--kv-bytes-per-token, --chunk-bytes, --kv-row-bytes)")
+    kv.add_argument("--model-config", dest="model_config", metavar="CONFIG_JSON",
+                    help="a model's config.json: latent rows on every layer, DSA indexer rows where vLLM builds "
+                         f"an indexer (default {geometry.MODEL_CONFIG.name}, GLM-5.3's)")
+    kv.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=geometry.CACHE_DTYPES,
+                    help="fp8 (FLASHINFER_MLA_SPARSE, the presets: 576-byte latent rows; default) or fp8_ds_mla "
+                         "(FLASHMLA_SPARSE: 656)")
+    kv.add_argument("--mtp-layers", dest="mtp_layers",
+                    help="MTP layers registered with speculative decoding, each with an indexer (default 0: the "
+                         "presets run none)")
+    kv.add_argument("--kv-bytes-per-token", dest="kv_bytes_per_token", help="s itself (e.g. 47.7KB)")
     kv.add_argument("--chunk-bytes", dest="chunk_bytes", help="bytes of one LMCache chunk; s = this / --chunk-tokens "
-                    "(the write-up's 12.4MB is the latent part alone)")
+                    "(the write-up's chunk: 12.4MB)")
     kv.add_argument("--kv-row-bytes", dest="kv_row_bytes", metavar="B[,B...]",
-                    help="bytes per token and layer of each cache part, summed (default "
-                         f"{geometry.LATENT_ROW_BYTES},{geometry.INDEXER_ROW_BYTES}: latent, indexer; "
-                         f"{geometry.FP8_DS_MLA_ROW_BYTES},{geometry.INDEXER_ROW_BYTES} with fp8_ds_mla)")
-    kv.add_argument("--layers", dest="layers", help=f"layers with KV, for --kv-row-bytes (default {geometry.LAYERS})")
+                    help="a uniform model: bytes per token of each cache part on every one of --layers, summed")
+    kv.add_argument("--layers", dest="layers", help="layers with KV, for --kv-row-bytes")
     p.add_argument("--chunk-tokens", dest="chunk_tokens", help=f"tokens per LMCache chunk (default "
                    f"{geometry.CHUNK_TOKENS})")
     cell = p.add_argument_group("the cell")
@@ -155,9 +173,7 @@ def collect(args: argparse.Namespace) -> tuple[dict, bool]:
 
 
 def _row_bytes(raw: dict) -> tuple[int, ...]:
-    value = raw.get("kv_row_bytes")
-    if value is None:
-        return geometry.ROW_BYTES
+    value = raw["kv_row_bytes"]
     parts = value if isinstance(value, list) else str(value).split(",")
     rows = tuple(_int(part.strip() if isinstance(part, str) else part, "kv_row_bytes") for part in parts)
     if not rows or any(r <= 0 for r in rows):
@@ -173,8 +189,12 @@ def kv_size(raw: dict) -> tuple[float, int, str]:
     given = [k for k in ("kv_bytes_per_token", "chunk_bytes", "kv_row_bytes") if raw.get(k) is not None]
     if len(given) > 1:
         raise InputError(f"give one of kv_bytes_per_token, chunk_bytes, kv_row_bytes, not {' and '.join(given)}")
-    if "layers" in raw and "kv_row_bytes" not in raw and given:
-        raise InputError("layers: only with kv_row_bytes (or the default rows)")
+    if raw.get("layers") is not None and "kv_row_bytes" not in given:
+        raise InputError("layers: only with kv_row_bytes (a model's layers come from its config.json)")
+    from_config = [k for k in ("model_config", "kv_cache_dtype", "mtp_layers") if raw.get(k) is not None]
+    if given and from_config:
+        raise InputError(f"{' and '.join(from_config)}: only when s comes from the model's config, "
+                         f"not with {given[0]}")
     if given == ["kv_bytes_per_token"]:
         s = parse_number(raw["kv_bytes_per_token"], "kv_bytes_per_token")
         source = "given"
@@ -184,17 +204,39 @@ def kv_size(raw: dict) -> tuple[float, int, str]:
             raise InputError(f"chunk_bytes: must be > 0, got {chunk:g}")
         s = chunk / tokens
         source = f"{chunk:,.0f} B per {tokens}-token chunk, given"
-    else:
+    elif given == ["kv_row_bytes"]:
         rows = _row_bytes(raw)
-        layers = _int(raw.get("layers", OPTIONAL["layers"]), "layers")
+        if raw.get("layers") is None:
+            raise InputError("kv_row_bytes: give the layers too (--layers)")
+        layers = _int(raw["layers"], "layers")
         if layers <= 0:
             raise InputError(f"layers: must be > 0, got {layers}")
         s = float(geometry.bytes_per_token(rows, layers))
         what = " + ".join(str(r) for r in rows)
-        source = f"{layers} layers x ({what}) B" + ("" if given else ": GLM-5.3 FP8 with the presets")
+        source = f"{layers} layers x ({what}) B"
+    else:
+        kv = model_geometry(raw)
+        s = float(kv.bytes_per_token)
+        if raw.get("model_config") is None:
+            name = "GLM-5.3 FP8 with the presets" if kv == geometry.GLM53 else f"GLM-5.3, {kv.cache_dtype}"
+        else:
+            name = f"{raw['model_config']}, {kv.cache_dtype}"
+        source = f"{kv.describe()}: {name}"
     if not math.isfinite(s) or s <= 0:
         raise InputError(f"kv_bytes_per_token: must be > 0, got {s:g}")
     return s, tokens, source
+
+
+def model_geometry(raw: dict) -> "geometry.KVGeometry":
+    """The KV geometry of --model-config (GLM-5.3's by default) with --kv-cache-dtype and --mtp-layers."""
+    path = raw.get("model_config")
+    dtype = raw.get("kv_cache_dtype") or OPTIONAL["kv_cache_dtype"]
+    mtp = _int(raw.get("mtp_layers", OPTIONAL["mtp_layers"]), "mtp_layers")
+    try:
+        config = geometry.GLM53_CONFIG if path is None else geometry.load_config(Path(path))
+        return geometry.from_config(config, dtype, mtp)
+    except geometry.ConfigError as e:
+        raise InputError(f"model_config: {e}") from None
 
 
 def build_inputs(raw: dict, measured_bandwidth: float | None) -> Inputs:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvsizing.geometry import CHUNK_BYTES
+from kvsizing import geometry
 
 from . import gates as gate_rules
 from .common import (
@@ -74,12 +74,20 @@ def _add_cell_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
                       help="LMCache's async lookup timeout: recompute after S seconds")
     speed = cell.add_mutually_exclusive_group()
     speed.add_argument("--get-ms", type=positive_float, metavar="MS",
-                       help="server time per chunk GET (valkey-stats' usec per GET / 1000; write-up H5b: 8.9)")
+                       help="server time per chunk GET (valkey-stats' usec per GET / 1000) of the chunks it was "
+                            "measured with (write-up H5b: 8.9 per 12.4 MB GET)")
     speed.add_argument("--instance-gbps", type=positive_float, default=0.835, metavar="GB_S",
-                       help="one instance's bandwidth; a GET costs chunk-mb / this (write-up: 0.78-0.89)")
-    cell.add_argument("--chunk-mb", type=positive_float, default=CHUNK_BYTES / 1e6,
-                      help="MB per chunk (GLM-5.3 FP8 with the presets: 14.137, latent + DSA indexer rows; "
-                           "the write-up's runs: 12.4, the latent alone)")
+                       help="one instance's bandwidth; a GET costs chunk-mb / this, the server's time scaled by "
+                            "bytes (write-up: 0.78-0.89, measured with its 12.4 MB chunks)")
+    chunk = cell.add_mutually_exclusive_group()
+    chunk.add_argument("--chunk-mb", type=positive_float, default=argparse.SUPPRESS,
+                       help="MB per chunk (default: from --model-config; the write-up's runs: 12.4)")
+    chunk.add_argument("--model-config", type=Path, metavar="CONFIG_JSON", default=argparse.SUPPRESS,
+                       help="the chunk from a model's config.json by vLLM's rule (default GLM-5.3's: "
+                            f"{geometry.GLM53.describe()} x 256 = {geometry.CHUNK_BYTES / 1e6:.3f} MB with the "
+                            "presets' fp8)")
+    cell.add_argument("--kv-cache-dtype", choices=geometry.CACHE_DTYPES, default="fp8",
+                      help="for --model-config: fp8 (the presets; default) or fp8_ds_mla (FLASHMLA_SPARSE)")
     cell.add_argument("--chunk-tokens", type=positive_int, default=256)
     cell.add_argument("--recompute-s", type=positive_float, default=0.31, metavar="S",
                       help="seconds to prefill --recompute-tokens from scratch (write-up: 0.31 s for 16k)")
@@ -98,10 +106,23 @@ def _add_cell_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
     load.add_argument("--seeds", type=positive_int, default=1, help="repeat over this many Poisson streams")
 
 
+def chunk_mb(args: argparse.Namespace) -> float:
+    """--chunk-mb, or the chunk of --chunk-tokens tokens of the model's KV (GLM-5.3's by default)."""
+    if getattr(args, "chunk_mb", None) is not None:
+        return args.chunk_mb
+    path = getattr(args, "model_config", None)
+    try:
+        config = geometry.GLM53_CONFIG if path is None else geometry.load_config(path)
+        kv = geometry.from_config(config, args.kv_cache_dtype)
+    except geometry.ConfigError as exc:
+        raise OpsError(f"--model-config: {exc}") from None
+    return kv.chunk_bytes(args.chunk_tokens) / 1e6
+
+
 def _config(args: argparse.Namespace, pods: int, shards: int):
     from .cellsim_model import CellConfig
 
-    get_s = args.get_ms / 1000.0 if args.get_ms else args.chunk_mb * 1e6 / (args.instance_gbps * 1e9)
+    get_s = args.get_ms / 1000.0 if args.get_ms else chunk_mb(args) * 1e6 / (args.instance_gbps * 1e9)
     config = CellConfig(pods=pods, ranks=args.ranks, shards=shards, store=args.store, loading=args.loading,
                         get_s=get_s, chunk_tokens=args.chunk_tokens,
                         prefill_tokens_per_s=args.recompute_tokens / args.recompute_s,

@@ -26,9 +26,9 @@ REQUESTS = 450
 SPAN_S = 374.0
 PROMPT_TOKENS = 16_384
 HIT_FRACTION = 0.985
-# The write-up's own chunk figure (the MLA latent alone), kept here because these runs reproduce the
-# write-up's measurements, which moved 12.4 MB chunks; the real chunk with the DSA indexer rows is
-# kvsizing.geometry.CHUNK_BYTES (14.1 MB), cellsim's default everywhere else.
+# The write-up's own chunk figure, kept here because these runs reproduce the write-up's measurements,
+# which moved 12.4 MB chunks (its bandwidths and per-GET times are of that size); GLM-5.3's chunk from its
+# config is kvsizing.geometry.CHUNK_BYTES (12.2 MB, 1.5% smaller), cellsim's default everywhere else.
 CHUNK_MB = 12.4
 RECOMPUTE_S = 0.31
 INSTANCE_GBPS = (0.78, 0.835, 0.89)  # low, midpoint, high of the measured one-instance bandwidth

@@ -29,7 +29,7 @@ SCRIPT = REPO / "benchmarks" / "pcp_load_path.py"
 WORLD_SIZE = 2
 PROMPTS = (2048, 4096, 6144)  # 8, 16 and 24 chunks of 256 tokens
 LAYERS = 1
-BUFFER_MB = 60.0  # at 78 layers: four 14.1 MB chunks per piece
+BUFFER_MB = 60.0  # at 78 layers: five 12.2 MB chunks per piece
 FULL_LAYERS = 78
 
 

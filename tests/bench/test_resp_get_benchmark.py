@@ -6,7 +6,7 @@ patched/pristine ratio line. It asserts nothing about speed: the benchmark's
 figures belong in the issue note, not in a pass/fail gate on a shared
 2-core machine.
 
-The chunks keep the real size (14.1 MB), read two per connection per call,
+The chunks keep the real size (12.2 MB), read two per connection per call,
 rather than 1 MB: the pristine build loses a completion (the hang patch 0001
 fixes) when a batch GET finishes within a few ms of its submit, which 1-4 MB
 values on loopback do often (measured here: hangs within 1-90 calls in most
@@ -32,7 +32,7 @@ ROUNDS = 2
 
 
 def run_benchmark(out: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, str(SCRIPT), "--chunk-bytes", "14137344", "--keys", "2", "--batch", "2",
+    cmd = [sys.executable, str(SCRIPT), "--chunk-bytes", "12211200", "--keys", "2", "--batch", "2",
            "--workers", "1", "--rounds", str(ROUNDS), "--gets", "2", "--round-timeout-s", "20",
            "--python", sys.executable, "--pristine-path", str(PRISTINE), "--out", str(out)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)

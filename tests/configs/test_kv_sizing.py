@@ -1,4 +1,4 @@
-"""kv-sizing: the chunk figure from GLM-5.3's geometry, the write-up's cost model reproduced from its own
+"""kv-sizing: the chunk figure from GLM-5.3's config by vLLM's rule, the write-up's cost model reproduced from its own
 inputs, the model for a cell of P pods sharing the shards, bad input, and --measure through LMCache's
 native RESP client on real Valkey."""
 from __future__ import annotations
@@ -19,8 +19,8 @@ cli = kvsizing.cli
 from kvsizing import native  # noqa: E402  (on sys.path after load_kvsizing)
 GB = 1e9
 
-# The write-up's inputs: 12.4 MB per 256-token chunk (its latent-only figure); a 16k (16,384-token)
-# prompt prefilled in 0.31 s; hit-heavy replay 450 requests in 374 s.
+# The write-up's inputs: 12.4 MB per 256-token chunk (its figure, within 1.5% of the real 12.2 MB); a 16k
+# (16,384-token) prompt prefilled in 0.31 s; hit-heavy replay 450 requests in 374 s.
 S = 12.4e6 / 256
 R = 16384 / 0.31
 N_TOKENS = 16384
@@ -46,38 +46,73 @@ def run_json(*args) -> dict:
 
 
 def test_the_chunk_figure_comes_from_the_geometry():
-    # (576 + 132) x 78 x 256: the MLA latent row and the DSA indexer row of every layer.
+    # 256 x (78 x 576 + 21 x 132): the MLA latent row of every layer, the DSA indexer row of the 21 layers
+    # that run the indexer (GLM-5.3's config: index_topk_freq 4, offset 2; tests/lmcache/test_glm5_chunk_figure.py
+    # checks the rule and the rows against vLLM's own code).
     assert (geometry.LATENT_ROW_BYTES, geometry.INDEXER_ROW_BYTES, geometry.FP8_DS_MLA_ROW_BYTES) == (576, 132, 656)
-    assert geometry.KV_BYTES_PER_TOKEN == 55_224
-    assert geometry.CHUNK_BYTES == 14_137_344
-    assert geometry.CHUNK_BYTES / 2**20 == pytest.approx(13.48, abs=0.005)
+    assert (geometry.LAYERS, geometry.INDEXER_LAYERS) == (78, 21)
+    assert geometry.GLM53.indexer_layers == (0, 1, *range(5, 78, 4))
+    assert geometry.KV_BYTES_PER_TOKEN == 47_700
+    assert geometry.CHUNK_BYTES == 12_211_200
+    assert geometry.CHUNK_BYTES / 2**20 == pytest.approx(11.65, abs=0.005)
+    assert geometry.FP8_DS_MLA_CHUNK_BYTES == 13_808_640
     assert geometry.LATENT_CHUNK_BYTES == 11_501_568
-    assert geometry.FP8_DS_MLA_LATENT_CHUNK_BYTES == 13_099_008
-    # The write-up's 12.4 MB is neither: 621 B per token and layer, between the two latent-only figures.
-    assert geometry.LATENT_CHUNK_BYTES < geometry.WRITEUP_CHUNK_BYTES < geometry.FP8_DS_MLA_LATENT_CHUNK_BYTES
+    # The write-up's 12.4 MB is the whole chunk to within 1.5%, not the latent alone (11.5 MB).
+    assert geometry.WRITEUP_CHUNK_BYTES / geometry.CHUNK_BYTES == pytest.approx(1.015, abs=0.001)
+
+
+def test_the_geometry_of_other_configs():
+    glm53 = geometry.GLM53_CONFIG
+    # An MTP layer (speculative decoding, not in the presets) adds a latent row and an indexer row.
+    assert geometry.from_config(glm53, mtp_layers=1).bytes_per_token == 47_700 + 576 + 132
+    # Without index_topk_freq every layer runs the indexer (vLLM's default): the old 78 x (576 + 132).
+    every = {k: v for k, v in glm53.items() if k not in ("index_topk_freq", "index_skip_topk_offset")}
+    assert geometry.from_config(every).bytes_per_token == 55_224
+    # A pattern string: F runs the indexer, S skips; layers past its end run it.
+    assert geometry.indexer_layers({**glm53, "num_hidden_layers": 6, "index_topk_pattern": "FSSFS"}) == (0, 3, 5)
+    # Not a DSA model (no index_topk): the latent alone.
+    assert geometry.from_config({k: v for k, v in glm53.items() if k != "index_topk"}).bytes_per_token == 78 * 576
+    with pytest.raises(geometry.ConfigError, match="kv-cache-dtype 'bf16'"):
+        geometry.from_config(glm53, "bf16")
+    with pytest.raises(geometry.ConfigError, match="num_hidden_layers must be a whole number"):
+        geometry.from_config({**glm53, "num_hidden_layers": "78"})
 
 
 def test_the_default_s_is_the_real_chunk():
     out = run_json(*CELL, "--arrival-rate", "1.2", "--instance-gbps", "1.345")
     assert out["inputs"]["kv_bytes_per_token"] == geometry.KV_BYTES_PER_TOKEN
-    assert out["inputs"]["kv_source"] == "78 layers x (576 + 132) B: GLM-5.3 FP8 with the presets"
+    assert out["inputs"]["kv_source"] == "78 x 576 + 21 x 132 B: GLM-5.3 FP8 with the presets"
     r = out["results"]
-    assert r["prompt_bytes"] == 16384 * 55_224  # 0.905 GB for a 16k prompt
-    assert r["break_even_bandwidth"] / GB == pytest.approx(2.919, abs=0.001)
-    assert r["per_rank_bytes"] / 1e6 == pytest.approx(113.1, abs=0.05)
+    assert r["prompt_bytes"] == 16384 * 47_700  # 0.782 GB for a 16k prompt
+    assert r["break_even_bandwidth"] / GB == pytest.approx(2.521, abs=0.001)
+    assert r["per_rank_bytes"] / 1e6 == pytest.approx(97.7, abs=0.05)
     text = run(*CELL, "--arrival-rate", "1.2", "--instance-gbps", "1.345")
-    assert "14.14 MB = 13.48 MiB per 256-token chunk" in text.stdout
+    assert "12.21 MB = 11.65 MiB per 256-token chunk" in text.stdout
+
+
+def _config(folder, **changes):
+    """GLM-5.3's config with ``changes`` (None: the key removed), written to ``folder``."""
+    folder.mkdir()
+    path = folder / "config.json"
+    config = {k: v for k, v in {**geometry.GLM53_CONFIG, **changes}.items() if v is not None}
+    path.write_text(json.dumps(config))
+    return str(path)
 
 
 @pytest.mark.parametrize("flags, per_token", [
-    (["--kv-row-bytes", "656,132"], (656 + 132) * 78),  # FLASHMLA_SPARSE's fp8_ds_mla rows + indexer
-    (["--kv-row-bytes", "576"], 576 * 78),  # the latent alone
-    (["--kv-row-bytes", "576,132", "--layers", "79"], 708 * 79),  # with an MTP layer
-    (["--chunk-bytes", "14137344"], 55_224),
-    (["--kv-bytes-per-token", "55.224KB"], 55_224),
+    (["--kv-cache-dtype", "fp8_ds_mla"], 78 * 656 + 21 * 132),  # FLASHMLA_SPARSE's fp8_ds_mla rows
+    (["--mtp-layers", "1"], 79 * 576 + 22 * 132),  # with an MTP layer, which always has an indexer
+    (["--model-config", "{every_layer}"], 78 * (576 + 132)),  # a config without index_topk_freq
+    (["--model-config", "{layers_92}", "--kv-cache-dtype", "fp8_ds_mla"], 92 * 656 + 24 * 132),
+    (["--kv-row-bytes", "576", "--layers", "78"], 576 * 78),  # a uniform model: the latent alone
+    (["--chunk-bytes", "12211200"], 47_700),
+    (["--kv-bytes-per-token", "47.7KB"], 47_700),
 ])
-def test_s_from_rows_chunk_or_per_token(flags, per_token):
-    out = run_json(*CELL, "--arrival-rate", "1.2", "--instance-gbps", "1.345", *flags)
+def test_s_from_the_config_rows_chunk_or_per_token(tmp_path, flags, per_token):
+    configs = {"{every_layer}": _config(tmp_path / "a", index_topk_freq=None, index_skip_topk_offset=None),
+               "{layers_92}": _config(tmp_path / "b", num_hidden_layers=92)}
+    out = run_json(*CELL, "--arrival-rate", "1.2", "--instance-gbps", "1.345",
+                   *[configs.get(flag, flag) for flag in flags])
     assert out["inputs"]["kv_bytes_per_token"] == pytest.approx(per_token)
 
 
@@ -134,9 +169,10 @@ def test_four_pods_share_the_eight_shards():
     r = model.evaluate(i)
     assert r.per_rank_bytes == N_TOKENS * geometry.KV_BYTES_PER_TOKEN / 8
     assert r.rho == pytest.approx(4 * LAMBDA * N_TOKENS * geometry.KV_BYTES_PER_TOKEN / (8 * 1.345 * GB))
-    # Every pod loading at once: 10.76 / 4 GB/s per prompt, below the real chunk's B*.
+    # Every pod loading at once: 10.76 / 4 GB/s per prompt, 7% above the real chunk's B* (2.521 GB/s).
     assert r.all_pods_bandwidth / GB == pytest.approx(2.69)
-    assert not r.all_pods_pays_off and r.hit_pays_off
+    assert r.all_pods_pays_off and r.hit_pays_off
+    assert r.all_pods_bandwidth / r.break_even_bandwidth == pytest.approx(1.067, abs=0.001)
     # Async loads share each instance (processor sharing): T_load / (1 - rho) on average.
     assert r.mean_load_seconds == pytest.approx(r.load_seconds / (1 - r.rho))
     assert r.mean_prompt_bandwidth == pytest.approx(r.aggregate_bandwidth * (1 - r.rho))
@@ -217,11 +253,15 @@ def test_cli_json_and_inputs_file(tmp_path):
     (["--kv-bytes-per-token", "48KB"], "give one of kv_bytes_per_token, chunk_bytes, kv_row_bytes"),
     (["--kv-row-bytes", "576,0"], "kv_row_bytes: expected positive byte counts"),
     (["--layers", "78"], "layers: only with kv_row_bytes"),
+    (["--kv-cache-dtype", "fp8_ds_mla"], "kv_cache_dtype: only when s comes from the model's config"),
+    (["--model-config", "/nonexistent/config.json"], "model_config: /nonexistent/config.json: No such file"),
+    (["--mtp-layers", "-1"], "mtp layers must be a whole number >= 0"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     base = {"--prefill-rate": "53k", "--arrival-rate": "1.2", "--instance-gbps": "0.9", "--prompt-tokens": "16Ki"}
     flags = dict(zip(args[::2], args[1::2], strict=True))
-    argv = [] if "--kv-row-bytes" in flags else ["--chunk-bytes", "12.4MB"]
+    from_config = {"--kv-row-bytes", "--model-config", "--mtp-layers"} & set(flags)
+    argv = [] if from_config else ["--chunk-bytes", "12.4MB"]
     for flag, value in {**base, **flags}.items():
         argv.append(f"{flag}={value}")  # '=' so argparse takes '-53k' as a value
     result = run(*argv)
