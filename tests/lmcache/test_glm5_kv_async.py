@@ -2,7 +2,8 @@
 (issue 15; the prefill preset runs ``enable_async_loading: true``).
 
 The same worker as test_glm5_kv_roundtrip.py (vLLM 0.31.0's own spec,
-grouping and allocation for a tiny ``GlmMoeDsaForCausalLM``; LMCache's real
+grouping and allocation for a tiny ``GlmMoeDsaForCausalLM`` with GLM-5.3's
+layer pattern: 8 latent and 3 indexer caches; LMCache's real
 adapter with ``use_gpu_connector_v3``; see glm5_lmcache_run.py for what
 stands in for CUDA), with ``enable_async_loading``: the adapter's real
 ``LMCacheAsyncLookupServer`` prefetches with pin=True what vLLM's
@@ -22,6 +23,7 @@ from __future__ import annotations
 import pytest
 
 from tests.lmcache import glm5_lmcache_run
+from tests.lmcache.glm5_vllm_kv import indexer_layers, token_bytes
 from tests.lmcache.test_glm5_kv_roundtrip import (
     CASES,
     LOAD_BLOCKS,
@@ -141,9 +143,9 @@ def test_async_round_trip_through_the_pcp_sharded_store(tmp_path, vllm_cached_to
         async_loading=True,
         vllm_cached_tokens=vllm_cached_tokens,
     )
-    assert {b for r in results for b in r["owned_chunk_bytes"]} == {CHUNK * 2 * (656 + 132)}
+    assert {b for r in results for b in r["owned_chunk_bytes"]} == {CHUNK * token_bytes(656)}
     # The sharded load's staging buffer holds at least one whole chunk (both parts).
-    assert {r["staging_buffer_bytes"] for r in results} == {CHUNK * 2 * (656 + 132)}
+    assert {r["staging_buffer_bytes"] for r in results} == {CHUNK * token_bytes(656)}
     for rank, result in enumerate(results):
         owned = [start for start in range(0, 1024, CHUNK) if start // CHUNK % world_size == rank]
         assert result["lookup_answer"] == 1024, (rank, result["lookup_answer"])
@@ -151,7 +153,7 @@ def test_async_round_trip_through_the_pcp_sharded_store(tmp_path, vllm_cached_to
         assert result["loaded_end"] == 1024, (rank, result["loaded_end"])
         assert result["mismatched_tokens"] == {name: 0 for name in result["mismatched_tokens"]}, (
             rank, result["mismatched_tokens"])
-        assert len(result["topk"]) == 2
+        assert len(result["topk"]) == len(indexer_layers())
         for name, topk in result["topk"].items():
             assert topk["restored"] == topk["original"], (rank, name)
         assert result["after"] == {start: [1, 0] for start in owned}, (

@@ -11,7 +11,9 @@ tensors' exact geometry, views into one shared allocation as vLLM's
 and the indexer's blocked pages of 128 fp8 values then 4-byte scales) move
 every byte; the checks are the round trip's own (glm5_lmcache_run._one_case):
 every byte of every loaded token, vLLM's cached prefix untouched, the DSA
-indexer's top-k on the restored cache.
+indexer's top-k on the restored cache. The recorded model has GLM-5.3's layer
+pattern (8 latent caches, 3 indexer caches), so the two kernel groups differ
+in layer count.
 
 - the recording equals what vLLM and the adapter hand over now (CPU, vLLM);
 - the replay round-trips on CPU through LMCache's torch fallback copies and
@@ -30,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.lmcache import glm5_handoff
+from tests.lmcache.glm5_vllm_kv import indexer_layers
 from tests.lmcache.test_glm5_kv_roundtrip import CASES, LOAD_BLOCKS, STORE_BLOCKS, check_case
 from tests.support.pcp_ranks import run_processes
 
@@ -38,6 +41,8 @@ pytestmark = pytest.mark.lmcache
 REPO = Path(__file__).resolve().parents[2]
 V3_GROUPS = "0015-v3-gpu-connector-move-each-kernel-group-with-its-own-geometry.patch"
 LATENT_BYTES = {"flashinfer_fp8": 576, "flashmla_fp8_ds_mla": 656}
+# GLM-5.3's layer pattern on the recorded model: 8 latent caches, 3 indexer caches.
+INDEXERS = indexer_layers(glm5_handoff.LAYERS)
 
 
 def replayed(tmp_path, variant: str, device: str) -> dict:
@@ -61,7 +66,10 @@ def check_replayed(result: dict, variant: str) -> None:
     for case in result["cases"]:
         check_case(case)
     assert result["groups"] == glm5_handoff.load_recorded()[variant]["kernel_groups"]
-    assert ["NL_X_NB_BS_HS", glm5_handoff.LAYERS, LATENT_BYTES[variant]] in result["groups"]
+    # Two kernel groups of different layer counts: a group sized by the other's count fails the cases.
+    assert sorted(result["groups"]) == [
+        ["NL_X_NB_BSV_BSS", len(INDEXERS), 132], ["NL_X_NB_BS_HS", glm5_handoff.LAYERS, LATENT_BYTES[variant]]]
+    assert len(INDEXERS) != glm5_handoff.LAYERS
 
 
 @pytest.mark.parametrize("variant", glm5_handoff.VARIANTS)
@@ -72,12 +80,16 @@ def test_the_recorded_handoff_is_what_vllm_hands_lmcache_now(tmp_path, variant):
         f"{glm5_handoff.HANDOFF_FILE.name}[{variant}] is stale: "
         "python -m tests.lmcache.glm5_handoff record --write"
     )
-    # What makes the layout GLM-5's: each decoder layer a latent and an
-    # indexer cache, views into one allocation, the roles from vLLM's specs.
+    # What makes the layout GLM-5.3's: a latent cache on each decoder layer,
+    # an indexer cache on the layers that run the indexer (GLM-5.3's pattern),
+    # views into one allocation, the roles from vLLM's specs.
     layers = recorded["kv_caches"]["layers"]
-    assert [layer["shape"][-1] for layer in layers] == [132, 132, LATENT_BYTES[variant], LATENT_BYTES[variant]]
+    latent = glm5_handoff.LAYERS
+    assert [layer["shape"][-1] for layer in layers] == [132] * len(INDEXERS) + [LATENT_BYTES[variant]] * latent
+    assert [layer["name"] for layer in layers][: len(INDEXERS)] == [
+        f"model.layers.{i}.self_attn.indexer.k_cache" for i in INDEXERS]
     assert {layer["allocation"] for layer in layers} == {0}
-    assert recorded["layout_hints"]["kv_cache_roles"] == ["indexer", "indexer", "mla", "mla"]
+    assert recorded["layout_hints"]["kv_cache_roles"] == ["indexer"] * len(INDEXERS) + ["mla"] * latent
 
 
 @pytest.mark.fixes(V3_GROUPS, fails_with=r"size of tensor a \(\d+\) must match the size of tensor b \(132\)")

@@ -6,12 +6,13 @@ LMCache's real adapter through vLLM's ``LMCacheConnectorV1`` and stores and
 loads a prompt (tests/lmcache/glm5_lmcache_run.py, which lists what stands in
 for CUDA). Two backends are covered: FLASHINFER_MLA_SPARSE with fp8 (the
 prefill preset: 576-byte latent rows) and FLASHMLA_SPARSE, which serves fp8 as
-fp8_ds_mla (656-byte rows). Each decoder layer also registers its DSA indexer
-cache (132-byte rows).
+fp8_ds_mla (656-byte rows). The decoder layers that run the DSA indexer also
+register its cache (132-byte rows): with GLM-5.3's pattern (index_topk_freq 4,
+offset 2) 3 of the tiny model's 8 layers, as vLLM's own statements decide.
 
 Pristine LMCache 0.5.5 (and the series up to 0011) accepts the dict and
 crashes on the first store: the default connector (V2) has one pointer slot
-per model layer (kv_shape[0]) and is handed twice as many tensors. With the
+per model layer (kv_shape[0], 8) and is handed 11 tensors. With the
 series, V2 refuses it at registration and names ``use_gpu_connector_v3``,
 which moves both kinds of layer (tests/lmcache/test_glm5_kv_roundtrip.py).
 """
@@ -23,14 +24,14 @@ from pathlib import Path
 import pytest
 
 from tests.lmcache import glm5_lmcache_run
-from tests.lmcache.glm5_vllm_kv import INDEXER_BYTES, LATENT_BYTES
+from tests.lmcache.glm5_vllm_kv import INDEXER_BYTES, LATENT_BYTES, NUM_LAYERS, indexer_layers
 from tests.support.pcp_ranks import run_processes
 
 pytestmark = pytest.mark.lmcache
 
 GUARD = "0013-vllm-refuse-kv-cache-layers-lmcache-cannot-move.patch"
 
-NUM_LAYERS = 2  # decoder layers of the tiny config
+INDEXERS = indexer_layers()  # (0, 1, 5) of the tiny config's 8 decoder layers
 # A prompt of one full chunk and a partial one, at scattered blocks.
 NUM_TOKENS = 300
 BLOCK_IDS = [5, 2, 9, 11, 0]
@@ -77,7 +78,18 @@ def test_vllm_registers_latent_and_indexer_caches_in_one_dict(tmp_path, variant,
     assert done.returncode == 0, done.stderr[-3000:]
     kv = json.loads(done.stdout.strip().splitlines()[-1])
     roles = {name: layer[0] for name, layer in kv["layers"].items()}
-    assert sorted(roles.values()) == ["indexer"] * NUM_LAYERS + ["sparse"] * NUM_LAYERS
+    # A latent cache on every layer, an indexer cache where vLLM builds an indexer.
+    assert roles == {
+        **{f"model.layers.{i}.self_attn.indexer.k_cache": "indexer" for i in INDEXERS},
+        **{f"model.layers.{i}.self_attn.attn": "sparse" for i in range(NUM_LAYERS)},
+    }
+    # The dict's order is the allocation's: the indexers, the latent caches of
+    # the layers that run one, then the others'.
+    names = list(roles)
+    order = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in INDEXERS]
+    order += [f"model.layers.{i}.self_attn.attn" for i in INDEXERS]
+    order += [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS) if i not in INDEXERS]
+    assert names == order
     for name, (role, shape, dim, element_size) in kv["layers"].items():
         width = INDEXER_BYTES if role == "indexer" else latent_bytes
         assert dim == 4 and tuple(shape[1:]) == (1, 64, width), (name, shape)
@@ -89,7 +101,7 @@ def test_vllm_registers_latent_and_indexer_caches_in_one_dict(tmp_path, variant,
 
 @pytest.mark.fixes(
     GUARD,
-    fails_with=r"registration accepted.*could not broadcast input array from shape \(4,\) into shape \(2,\)",
+    fails_with=r"registration accepted.*could not broadcast input array from shape \(11,\) into shape \(8,\)",
 )
 @pytest.mark.parametrize("variant", ["flashinfer_fp8", "flashmla_fp8_ds_mla"])
 def test_lmcache_refuses_layers_it_cannot_move_at_registration(tmp_path, variant):

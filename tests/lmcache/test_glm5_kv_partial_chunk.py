@@ -7,8 +7,8 @@ directory) reads it back into a full-chunk memory object and narrows it to
 the bytes it read (``RemoteConnector.reshape_partial_chunk``); with the
 metadata kept it allocates the stored shapes instead. Under the V3 connector
 GLM-5's memory object has two parts, the indexer pages and the latent rows
-(one kernel group each), stored as the first group's tokens, then the
-second's. The worker is the one of test_glm5_kv_roundtrip.py (vLLM 0.31.0's
+(one kernel group each: 3 and 8 layers with GLM-5.3's pattern), stored as the
+first group's tokens, then the second's. The worker is the one of test_glm5_kv_roundtrip.py (vLLM 0.31.0's
 own spec, grouping and allocation; see glm5_lmcache_run.py for what stands
 in for CUDA); the load runs in a fresh process (an engine restart: L1
 empty), for prompts of 300 and 130 tokens (neither a multiple of 64 or 256)
@@ -23,6 +23,7 @@ import json
 import pytest
 
 from tests.lmcache import glm5_lmcache_run
+from tests.lmcache.glm5_vllm_kv import token_bytes
 from tests.lmcache.test_glm5_kv_roundtrip import (
     LOAD_BLOCKS,
     STORE_BLOCKS,
@@ -92,7 +93,7 @@ def store_then_load_in_a_fresh_process(tmp_path, variant, latent_bytes, env, wit
     # Each stored file holds one chunk's tokens of both parts (after a
     # header of one size, when the metadata is kept), and nothing else.
     sizes = sorted(path.stat().st_size for path in (tmp_path / "fs").rglob("*.data"))
-    row = 2 * (latent_bytes + 132)
+    row = token_bytes(latent_bytes)  # 8 latent rows and 3 indexer rows
     data = sorted([44 * row, 44 * row, 130 * row, CHUNK * row, CHUNK * row])
     headers = {size - want for size, want in zip(sizes, data, strict=True)}
     assert len(headers) == 1 and (headers.pop() > 0) == with_meta, (sizes, data)

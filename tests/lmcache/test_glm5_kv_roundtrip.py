@@ -1,7 +1,10 @@
 """GLM-5's whole KV through LMCache and back, byte for byte (issue 15).
 
-vLLM 0.31.0 builds the ``kv_caches`` dict (latent + DSA indexer cache per
-decoder layer, tests/lmcache/glm5_vllm_kv.py); one worker process registers
+vLLM 0.31.0 builds the ``kv_caches`` dict (tests/lmcache/glm5_vllm_kv.py) with
+GLM-5.3's layer pattern: a latent cache on each of 8 decoder layers and a DSA
+indexer cache on the 3 that run the indexer (0, 1, 5), so LMCache's two kernel
+groups hold different layer counts and a group sized by another's count
+fails here (see the negative control below); one worker process registers
 it through vLLM's ``LMCacheConnectorV1`` with ``use_gpu_connector_v3``, stores
 a prompt at one set of blocks, clears the cache and loads it into another
 set, as a cache hit does (tests/lmcache/glm5_lmcache_run.py, which lists what
@@ -18,6 +21,7 @@ from __future__ import annotations
 import pytest
 
 from tests.lmcache import glm5_lmcache_run
+from tests.lmcache.glm5_vllm_kv import INDEXER_BYTES, NUM_LAYERS, indexer_layers, kvsizing_geometry, token_bytes
 from tests.support.pcp_ranks import run_processes
 
 pytestmark = pytest.mark.lmcache
@@ -72,11 +76,16 @@ def check_registered(result: dict) -> None:
     assert result["gpu_connector"] == "VLLMPagedMemGPUConnectorV3"
 
 
-def check_groups(result: dict, latent_bytes: int) -> None:
-    """One kernel group per kind of layer, each with its own format and row
-    width, built at registration (before the first memory object)."""
+def check_groups(result: dict, latent_bytes: int, mtp_layers: int = 0) -> None:
+    """One kernel group per kind of layer, each with its own format, row
+    width and layer count (every layer's latent cache; the indexer caches of
+    the layers that run the indexer), built at registration (before the first
+    memory object)."""
     assert result["groups"] is not None, "no layer groups at registration"
-    assert sorted(result["groups"]) == [["NL_X_NB_BSV_BSS", 2, 132], ["NL_X_NB_BS_HS", 2, latent_bytes]]
+    indexers = len(indexer_layers(NUM_LAYERS, mtp_layers))
+    assert indexers != NUM_LAYERS + mtp_layers  # the groups' layer counts differ
+    assert sorted(result["groups"]) == [
+        ["NL_X_NB_BSV_BSS", indexers, INDEXER_BYTES], ["NL_X_NB_BS_HS", NUM_LAYERS + mtp_layers, latent_bytes]]
 
 
 def check_case(case: dict) -> None:
@@ -87,7 +96,9 @@ def check_case(case: dict) -> None:
     assert case["mismatched_tokens"] == {name: 0 for name in case["equal"]}, (where, case["mismatched_tokens"])
     assert all(case["equal"].values())
     assert all(case["cached_prefix_untouched"].values()), (where, case["cached_prefix_untouched"])
-    assert len(case["topk"]) == 2
+    # The top-k of every indexer layer, and only of those.
+    assert sorted(case["topk"]) == sorted(name for name in case["equal"] if ".indexer." in name)
+    assert case["topk"]
     for name, topk in case["topk"].items():
         assert topk["restored"] == topk["original"], (where, name)
         # The check can fail: without the indexer keys the selection differs.
@@ -149,7 +160,7 @@ def test_round_trip_through_valkey_in_a_fresh_process(tmp_path, valkey, variant,
     # Valkey holds each chunk whole: both layers' latent rows and indexer pages.
     client = valkey.client()
     sizes = {client.strlen(key) for key in client.keys("*")}
-    assert sizes == {CHUNK * 2 * (latent_bytes + 132)}, sizes
+    assert sizes == {CHUNK * token_bytes(latent_bytes)}, sizes
 
 
 # Without the staging buffer (as here) the same one-group memory object has
@@ -177,11 +188,12 @@ def test_round_trip_through_the_pcp_sharded_store(tmp_path, world_size):
     # The ranks split the chunks; each keeps both parts of the ones it owns.
     assert sum(r["owned_chunks"] for r in results) == 4
     assert all(r["owned_chunks"] == 4 // world_size for r in results)
-    assert {b for r in results for b in r["owned_chunk_bytes"]} == {CHUNK * 2 * (656 + 132)}
+    assert {b for r in results for b in r["owned_chunk_bytes"]} == {CHUNK * token_bytes(656)}
     for rank, result in enumerate(results):
         assert result["loaded_end"] == 1024, (rank, result["loaded_end"])
         assert result["mismatched_tokens"] == {name: 0 for name in result["mismatched_tokens"]}, (
             rank, result["mismatched_tokens"])
+        assert len(result["topk"]) == len(indexer_layers())
         for name, topk in result["topk"].items():
             assert topk["restored"] == topk["original"], (rank, name)
 
@@ -192,8 +204,9 @@ def test_each_layer_is_detected_from_its_role(tmp_path, variant, latent_bytes):
     (formats,) = run_processes(1, glm5_lmcache_run.detected_formats, tmp_path, timeout_s=300, variant=variant)
     # Without the roles, every [NB, 1, BS, W] view reads as fused K/V.
     expected = {}
-    for i in range(2):
+    for i in indexer_layers():
         expected[f"model.layers.{i}.self_attn.indexer.k_cache"] = "NL_X_NB_BSV_BSS [23, 64, 132]"
+    for i in range(NUM_LAYERS):
         expected[f"model.layers.{i}.self_attn.attn"] = f"NL_X_NB_BS_HS [23, 64, {latent_bytes}]"
     assert formats == expected
 
@@ -217,15 +230,54 @@ def test_indexer_pages_survive_the_cpu_fallback_copy(tmp_path):
 @pytest.mark.fixes(V3_GROUPS, fails_with=WITHOUT_V3_GROUPS)
 @pytest.mark.parametrize(("variant", "latent_bytes"), VARIANTS)
 def test_glm5_chunk_size_at_78_layers(tmp_path, variant, latent_bytes):
-    """GLM-5.3 FP8's chunk: 256 tokens x 78 layers x (latent row + 132-byte
-    indexer row), measured from the stored memory object."""
+    """GLM-5.3 FP8's chunk: 256 tokens x (78 latent rows + 21 indexer rows of
+    132 bytes), measured from the stored memory object: kv-sizing's figure."""
+    geometry = kvsizing_geometry()
     result = run_round_trip(
         tmp_path, variant, cases=[{"num_tokens": CHUNK}], phase="store", num_layers=78
     )
     check_registered(result)
     (case,) = result["cases"]
     assert "store_error" not in case, case["store_error"]
-    assert case["stored_chunk_bytes"] == [CHUNK * 78 * (latent_bytes + 132)]
+    assert case["stored_chunk_bytes"] == [CHUNK * (78 * latent_bytes + 21 * 132)]
+    expected = {576: geometry.CHUNK_BYTES, 656: geometry.FP8_DS_MLA_CHUNK_BYTES}[latent_bytes]
+    assert case["stored_chunk_bytes"] == [expected] == [{576: 12_211_200, 656: 13_808_640}[latent_bytes]]
+
+
+@pytest.mark.fixes(V3_GROUPS, fails_with=WITHOUT_V3_GROUPS)
+def test_round_trip_with_an_mtp_layer(tmp_path):
+    """With MTP speculative decoding (not what the presets run) the drafter's
+    layer follows the decoder layers and always builds its indexer (vLLM's
+    rule): 9 latent + 4 indexer caches."""
+    result = run_round_trip(tmp_path, "flashinfer_fp8", cases=CASES[1:3], mtp_layers=1)
+    check_registered(result)
+    check_groups(result, 576, mtp_layers=1)
+    assert f"model.layers.{NUM_LAYERS}.self_attn.indexer.k_cache" in result["cases"][0]["topk"]
+    for case in result["cases"]:
+        check_case(case)
+
+
+def test_a_group_sized_by_another_groups_layer_count_fails_the_round_trip(tmp_path):
+    """The negative control: LMCache's metadata sizes every kernel group's
+    part of a chunk by group 0's layer count (glm5_lmcache_run's
+    ``size_every_group_as_group0``). Group 0 holds the 3 indexer layers, so
+    the latent part holds 3 of the 8 latent layers: nothing raises, and the
+    latent layers past the third (in registration order) come back wrong on
+    every loaded token. The round trip's own check sees it."""
+    result = run_round_trip(tmp_path, "flashinfer_fp8", cases=CASES, group0_layer_count=True)
+    check_registered(result)
+    check_groups(result, 576)  # the groups themselves are right; only the sizing is not
+    indexers = len(indexer_layers())
+    for case in result["cases"]:
+        assert "store_error" not in case and "load_error" not in case, case  # silent
+        loaded = case["loaded_end"] - case["vllm_cached_tokens"]  # the tokens the load wrote
+        latent = [name for name in case["mismatched_tokens"] if ".indexer." not in name]
+        assert len(latent) == NUM_LAYERS
+        expected = {name: (loaded if position >= indexers else 0) for position, name in enumerate(latent)}
+        assert {name: case["mismatched_tokens"][name] for name in latent} == expected, case["mismatched_tokens"]
+        assert all(case["mismatched_tokens"][name] == 0 for name in case["mismatched_tokens"] if name not in latent)
+        with pytest.raises(AssertionError):
+            check_case(case)
 
 
 @pytest.mark.gpu
