@@ -1,6 +1,6 @@
 """kv-sizing: the write-up's cost model for the LMCache L2 (Valkey) tier of a cell, as an operator tool.
 
-geometry.py  GLM-5.3 FP8's KV bytes per token and chunk, from the model's geometry
+geometry.py  a model's KV bytes per token and chunk from its config.json (GLM-5.3's by default), by vLLM's rule
 model.py     the cost model for P pods sharing N shards (pure functions)
 native.py    a bounded GET-bandwidth measurement through LMCache's native RESP client
 cli.py       the command line (scripts/kv-sizing, or python -m kvsizing from scripts/)

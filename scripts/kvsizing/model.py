@@ -2,10 +2,13 @@
 
 Symbols (write-up, "A cost model for a cache hit"):
   n  prompt length, tokens
-  s  KV bytes per token (geometry.py: GLM-5.3 FP8 with the presets, 55,224 B;
-     14,137,344 B per 256-token chunk)
+  s  KV bytes per token (geometry.py, from GLM-5.3's config by vLLM's rule:
+     78 x 576 + 21 x 132 = 47,700 B with the presets; 12,211,200 B per
+     256-token chunk)
   R  the engine's prefill rate, tokens/s (B300: a 16k prompt in 0.31 s, ~53k)
-  b  GET bandwidth one Valkey instance delivers, bytes/s
+  b  GET bandwidth one Valkey instance delivers, bytes/s, as measured with
+     some chunk size (the write-up's: 12.4 MB chunks); applied to the chunk
+     of s, a GET's server time is taken to scale with its bytes
   W  ranks of one prefill pod (PCP x TP); chunk c belongs to rank c mod W
   N  Valkey instances; rank r reads instance r mod N. The deployment has
      N = W by construction: rank r of every pod reads shard r.

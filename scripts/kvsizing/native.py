@@ -9,7 +9,7 @@ differences that matter on a production shard: the keys carry a unique
 model name, they are deleted afterwards, and the client's CPU time is taken
 over the loads only, so a client-bound result is recognisable.
 
-It writes chunk_bytes x keys into the instance (32 x 14.1 MB = 452 MB by
+It writes chunk_bytes x keys into the instance (32 x 12.2 MB = 391 MB by
 default); on a shard under LRU pressure that evicts as much real cache.
 It needs LMCache (with its C++ extension) and torch in this interpreter.
 """
