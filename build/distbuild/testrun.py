@@ -210,7 +210,7 @@ def _env(tree: str, work: Path, extra: dict[str, str] | None = None) -> dict[str
 
 def leave_one_out_jobs() -> int:
     """How many pytest runs of phases 2 and 3 go side by side (DIST_TEST_JOBS, default 2): proofs mostly wait on
-    timeouts and servers, so two share these machines' 2 cores without slowing each other much."""
+    timeouts and servers, so two share a 2-core host without slowing each other much."""
     raw = os.environ.get(JOBS_ENV, str(DEFAULT_JOBS))
     try:
         jobs = int(raw)

@@ -6,7 +6,7 @@ H100/H200, sm_100a on B200, sm_103a on B300), each into its own shared library f
 activation_bench.cu, with FlashInfer's JIT flags (for sm_90a, the patched kernel as the
 harness's SM90 variant: activation_build.harness_variant). Then:
 
-* check_grid: bit-identity of pristine and patched on every case kind of issue 19 (tokens 1
+* check_grid: bit-identity of pristine and patched on every case kind the patch's correctness rests on (tokens 1
   to 131,072, output widths 128 to 2,048, tiles 8 to 128, rows and slots walks, PDL on and
   off, all-local and all-remote routing, nonzero expert offsets, gated with all controls,
   alpha only and beta only, bf16/fp16, TP8), the outputs and scales over the whole buffers,

@@ -22,7 +22,7 @@ WHEELS = "wheels"
 # benchmarks and own tests stay behind: 25 MB of 34).
 SOURCE_PATHS = ("lmcache", "csrc", "setup_extensions", "setup.py", "pyproject.toml", "requirements",
                 "MANIFEST.in", "LICENSE", "README.md")
-CARRY_LIMIT = 64 * 1024 * 1024  # the device tool's limit on what travels
+CARRY_LIMIT = 64 * 1024 * 1024  # the GPU host's limit on the input it is given
 # The bundle and the repository's tracked files together stay under this
 # share of CARRY_LIMIT, leaving room for what other helpers add to the tree.
 BUDGET_SHARE = 0.5
@@ -142,5 +142,5 @@ def check_manifest(bundle: Path, manifest: dict, hashes: bool = True) -> list[st
     tracked = int(manifest.get("repo_tracked_bytes", 0))
     if total + tracked > budget:
         problems.append(f"bundle {total} B + tracked files {tracked} B = {total + tracked} B, over the budget "
-                        f"{budget} B ({BUDGET_SHARE:.0%} of the device tool's {CARRY_LIMIT} B carry limit)")
+                        f"{budget} B ({BUDGET_SHARE:.0%} of the GPU host's {CARRY_LIMIT} B input limit)")
     return problems

@@ -10,8 +10,8 @@ distribution, until none was left (check_local.sh repeats the import part).
 
 Each entry says who provides it on the GPU machine:
 
-* ``device``: the machine's image has it (the device tool's KINDS.md, package
-  list read on 2026-11-17: python3 is /opt/torch/.venv's Python 3.12); the bundle
+* ``device``: the GPU host's Python has it (its package list: python3 is
+  /opt/torch/.venv's Python 3.12); the bundle
   does not carry it, and install_deps.py fails, naming it, if it is missing.
 * ``bundle``: the bundle carries its wheel; installed only where the machine
   lacks it (or has it older than ``min_version``). Pure ones are py3-none-any;

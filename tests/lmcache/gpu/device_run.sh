@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# LMCache's gpu-marked tests on a GPU machine without a package index (issue 14).
+# LMCache's gpu-marked tests on a GPU machine without a package index.
 #
 # From the repository root, with the bundle carried (make_bundle.py; README.md beside this file):
 #   OUT=/some/dir tests/lmcache/gpu/device_run.sh [BUNDLE_DIR]      (default work/lmcache-gpu-bundle)

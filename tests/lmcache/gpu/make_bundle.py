@@ -8,8 +8,8 @@ machine that has PyTorch and nvcc but no package index.
   tree; bundle.SOURCE_PATHS only), built on the machine by device_run.sh;
 * wheels/: closure.DISTS with provider "bundle", each at the version the test
   venv (work/venv) has, fetched with ``pip download --no-deps``; native ones for
-  every Python in --pythons (3.12: the GPU machine's, per the device tool's
-  KINDS.md; 3.11: this machine's, for check_local.sh);
+  every Python in --pythons (3.12: the GPU host's; 3.11: the build host's, for
+  check_local.sh);
 * leaveout/: the Python files of the leave-one-out variant the gpu test's
   proof names, from build/distbuild/leaveout.py, so that the GPU machine also
   runs the proof where it must fail (--leaveout '' leaves it out). The proof
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--venv-python", type=Path, default=REPO / "work" / "venv" / "bin" / "python",
                         help="the test venv whose versions the wheels pin")
     parser.add_argument("--pythons", default="3.12,3.11",
-                        help="Pythons to carry native wheels for (3.12: the GPU machine's; 3.11: this machine's)")
+                        help="Pythons to carry native wheels for (3.12: the GPU host's; 3.11: the build host's)")
     parser.add_argument("--leaveout", default=LEAVEOUT_VARIANT,
                         help="also carry the Python overlay of this leave-one-out variant: a patch file (the series "
                              "without it) or <patch file>:<part> (the series less that part of it); '' for none")
