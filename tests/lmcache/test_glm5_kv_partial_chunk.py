@@ -42,11 +42,11 @@ CHUNK = glm5_lmcache_run.CHUNK_SIZE
 PATCH = "0021-remote-connector-reshape-a-partial-chunk-of-every-layer-group.patch"
 
 # Without the fix the narrowed object keeps every group's full-chunk shape
-# (256 tokens) over the bytes read (44 tokens x 2 layers x (latent + 132)
-# bytes), and the load raises on the first group (the indexer's): viewing
-# 62,304 bytes as 256 tokens (576-byte rows), or, with fp8_ds_mla, the
-# fallback copy indexing a 256-token view with the 44 tokens' mask.
-WITHOUT_FIX = (r"the load raised (RuntimeError: shape '\[1, 2, 256, 132\]' is invalid for input of size 62304"
+# (256 tokens) over the bytes read (44 tokens x (8 x 576 + 3 x 132) bytes),
+# and the load raises on the first group (the indexer's 3 layers): viewing
+# 220,176 bytes as 256 tokens, or, with fp8_ds_mla, the fallback copy
+# indexing a 256-token view with the 44 tokens' mask.
+WITHOUT_FIX = (r"the load raised (RuntimeError: shape '\[1, 3, 256, 132\]' is invalid for input of size 220176"
                r"|IndexError: The shape of the mask \[44\] at index 0 does not match the shape of the "
                r"indexed tensor \[256, 132\])")
 
