@@ -158,102 +158,56 @@ def test_keys_deleted_between_lookup_and_load(race):
 @pytest.mark.fixes("0003-resp-connector-honour-per-key-get-results.patch",
                    fails_with=r"LMCache served 1024 tokens from Valkey, which held only 512")
 def test_keys_evicted_by_lru_between_lookup_and_load(race):
-    """Valkey's allkeys-lru evicts the two suffix chunks when maxmemory drops below what it
-    holds: they are the least recently used by a clear margin (``SUFFIX_IDLE_S``, Valkey's
-    own OBJECT IDLETIME), since every other key is read (TOUCH) in the window itself, and
-    the limit asks for one and a half chunks, measured there too (``evict_suffix``).
-
-    Before the engine loads, the window checks what Valkey did: exactly the two suffix
-    keys evicted, by Valkey, nothing else. An attempt where it did not (the idle times or
-    the memory were not what the eviction needs) is set up again and its request's answer
-    is not judged; only an attempt whose window did exactly that is."""
+    """Valkey's allkeys-lru evicts the two suffix chunks (the least recently used:
+    the prefix chunks are touched later, a filler key is written last) when
+    maxmemory drops below what it holds."""
     client = race.valkey.client()
     chunk_bytes = client.strlen(next(iter(race.prefix_keys)))
-    configured = client.config_get("maxmemory*") | client.config_get("lazyfree-lazy-eviction")
-    missed: list[str] = []
-    try:
-        # Eviction frees in place (lazy eviction frees in the background, and Valkey would go
-        # on evicting until the memory is back); every key is sampled each round.
+    race.ready()
+    time.sleep(1.2)  # Valkey's LRU clock ticks in seconds
+    assert client.touch(*race.prefix_keys) == PREFIX_CHUNKS
+    client.set("dist-test-filler", b"\0" * chunk_bytes)
+    used = _settled_used_memory(client)
+
+    evicted: dict[str, int] = {}
+
+    def evict_suffix():
+        # 1.5 chunks over the limit: Valkey evicts exactly two, the suffix chunks,
+        # idle the longest. Eviction frees in place (lazy eviction frees in the
+        # background, and Valkey would go on evicting until the memory is back).
+        before = client.info("stats")["evicted_keys"]
         client.config_set("lazyfree-lazy-eviction", "no")
         client.config_set("maxmemory-samples", 64)
         client.config_set("maxmemory-policy", "allkeys-lru")
-        for _ in range(EVICTION_ATTEMPTS):
-            race.ready()
-            _wait_idle(client, race.suffix_keys, SUFFIX_IDLE_S)
-            window: dict = {}
-            result, log, stats, trace = race.run(lambda: _evict_suffix(client, race, chunk_bytes, window))
-            if window.get("missed") is None:
-                break
-            missed.append(window["missed"])
-        else:
-            raise AssertionError(f"Valkey's LRU did not evict exactly the two suffix chunks in "
-                                 f"{EVICTION_ATTEMPTS} attempts: " + "; ".join(missed))
+        client.config_set("maxmemory", used - 3 * chunk_bytes // 2)
+        client.ping()   # eviction runs before the next command
+        # One eviction, then room again: the engine's later store of the
+        # recomputed chunks must not evict more.
+        client.config_set("maxmemory", 0)
+        evicted["keys"] = client.info("stats")["evicted_keys"] - before
+        remaining = set(client.keys("*"))
+        assert remaining == race.prefix_keys | {b"dist-test-filler"}, \
+            f"LRU evicted {sorted((race.prefix_keys | race.suffix_keys) - remaining)}, not the two suffix chunks"
+
+    try:
+        result, log, stats, trace = race.run(evict_suffix)
     finally:
         client.config_set("maxmemory", 0)
-        for name in ("maxmemory-policy", "maxmemory-samples", "lazyfree-lazy-eviction"):
-            client.config_set(name, configured[name])
-    assert stats["evicted_keys"] == CHUNKS - PREFIX_CHUNKS, (window, stats)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.delete("dist-test-filler")
+    assert evicted["keys"] == stats["evicted_keys"] == CHUNKS - PREFIX_CHUNKS, (evicted, stats)
     race.check_recomputed_suffix(result, log, stats)
-    print(f"evicted by LRU between lookup and load (attempt {len(missed) + 1}, earlier: {missed or 'none'}): "
-          f"{result.summary()}, valkey {stats}, window {window}\nengine's commands: {trace}")
+    print(f"evicted by LRU between lookup and load: {result.summary()}, valkey {stats}\nengine's commands: {trace}")
 
 
-# The suffix chunks' idle time (s) when they are evicted, and at least that much more than any
-# other key's: every other key is touched in the window, so its idle time is 0 s, or 1 s at most
-# in an entry that an earlier eviction left in Valkey's eviction pool (the pool keeps the idle
-# times of the candidates it did not evict, and Valkey's LRU clock ticks in whole seconds).
-SUFFIX_IDLE_S = 2
-EVICTION_ATTEMPTS = 3
-IDLE_WAIT_S = 30.0      # a bound on a hang: the suffix keys age by the wall clock
-
-
-def _evict_suffix(client, race: Race, chunk_bytes: int, window: dict) -> None:
-    """Between the engine's lookup and its load: make the suffix chunks Valkey's least recently
-    used, lower maxmemory by one and a half chunks, restore it, and record in ``window`` what
-    Valkey evicted (``missed``: why it was not exactly the two suffix chunks, else None)."""
-    suffix = race.suffix_keys
-    others = set(client.keys("*")) - suffix
-    ordered = sorted(others) + sorted(suffix)
-    step = client.pipeline(transaction=True)    # one clock reading: no cron tick inside MULTI
-    step.touch(*others)
-    for key in ordered:
-        step.object("idletime", key)
-    idle = dict(zip(ordered, step.execute()[1:]))
-    oldest_other = max(idle[k] for k in others)
-    youngest_suffix = min(idle[k] for k in suffix)
-    window["idle_s"] = {"suffix": youngest_suffix, "others": oldest_other}
-    if len(suffix) != CHUNKS - PREFIX_CHUNKS or youngest_suffix < oldest_other + SUFFIX_IDLE_S:
-        window["missed"] = (f"the suffix chunks were not the least recently used by {SUFFIX_IDLE_S} s "
-                            f"before the eviction (idle s: {idle})")
-        return
-    before = client.info("stats")["evicted_keys"]
-    # Valkey evicts, oldest first, until it has freed what the limit asks: one and a half chunks
-    # plus what used_memory moved between this reading and the eviction. In this window only this
-    # client's commands run (the engine waits for the EXISTS reply the proxy holds): they move it
-    # by a few hundred bytes, against the half chunk either way (590 KB) within which the first
-    # eviction is not enough and the second is.
-    used = client.info("memory")["used_memory"]
-    client.config_set("maxmemory", used - 3 * chunk_bytes // 2)
-    client.ping()   # eviction runs before the next command
-    # One eviction, then room again: the engine's later store of the recomputed chunks must not evict more.
-    client.config_set("maxmemory", 0)
-    evicted = client.info("stats")["evicted_keys"] - before
-    after = client.info("memory")["used_memory"]
-    remaining = set(client.keys("*"))
-    window.update(evicted=evicted, freed_bytes=used - after, chunk_bytes=chunk_bytes)
-    gone = sorted((others | suffix) - remaining)
-    if remaining != others or evicted != len(suffix):
-        window["missed"] = (f"LRU evicted {evicted} key(s), {gone} gone, not the two suffix chunks "
-                            f"(used_memory {used} before, {after} after; idle s: {idle})")
-    else:
-        window["missed"] = None
-
-
-def _wait_idle(client, keys: set[bytes], seconds: int) -> None:
-    """Until every key in ``keys`` has been idle ``seconds`` (OBJECT IDLETIME does not touch it)."""
-    deadline = time.monotonic() + IDLE_WAIT_S
-    while min(client.object("idletime", key) for key in keys) < seconds:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the suffix chunks were not idle {seconds} s within {IDLE_WAIT_S} s: "
-                                 f"something reads them")
-        time.sleep(0.25)
+def _settled_used_memory(client, timeout_s: float = 10.0) -> int:
+    """used_memory once a large write's query buffer is released (Valkey frees it in its cron)."""
+    deadline = time.monotonic() + timeout_s
+    last = client.info("memory")["used_memory"]
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = client.info("memory")["used_memory"]
+        if abs(now - last) < 64 * 1024:
+            return now
+        last = now
+    raise AssertionError(f"Valkey's used_memory did not settle within {timeout_s} s")
