@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support import read_only_root
 from tests.support.engine import NIXL_PORT_ENV, EngineSpec, absolute_pythonpath, engine_env
 
@@ -105,3 +107,20 @@ def test_a_kept_or_writable_path_that_is_not_a_folder_is_refused_before_any_moun
         done = subprocess.run([sys.executable, read_only_root.__file__, option, str(missing), "--", "true"],
                               capture_output=True, text=True, timeout=30)
         assert done.returncode == 1 and f"read_only_root: {option} {missing}: not a folder" in done.stderr, done
+
+
+def test_a_core_that_failed_to_start_fails_the_start_even_when_the_server_hangs(tmp_path, monkeypatch):
+    """A stand-in server (a fake, to force the interleaving vLLM hits at random) logs vLLM's
+    core-failure marker and never exits, as the server does when a worker loses its SIGTERM
+    inside a __del__: the start fails soon after the marker, naming it, and the process is gone."""
+    from tests.support import engine as engine_support
+    monkeypatch.setattr(engine_support, "CORE_FAILED_EXIT_S", 1.0)
+    server = tmp_path / "hung-server"
+    server.write_text(f"#!/bin/sh\necho 'ERROR [core.py] {engine_support.CORE_FAILED}'\nexec sleep 600\n")
+    server.chmod(0o755)
+    spec = EngineSpec(MODEL, {}, cpu_connector=False, label="hung")
+    with pytest.raises(engine_support.EngineError, match="engine core failed while starting") as raised:
+        engine_support.start_engine(server, spec, tmp_path / "engine", startup_timeout_s=60)
+    assert engine_support.CORE_FAILED in raised.value.log_text
+    assert "not ready within" not in str(raised.value)
+    assert not subprocess.run(["pgrep", "-f", str(server)], capture_output=True).stdout

@@ -49,6 +49,12 @@ ENGINE_TMPDIR_ENV = "DIST_ENGINE_TMPDIR"
 # (nixl/base_scheduler.py); no kv_connector_extra_config key moves it.
 NIXL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 STARTUP_TIMEOUT_S = 240.0   # one engine start (~25-40 s on two idle cores)
+# vLLM's marker for an engine core whose construction raised. The server then exits once the
+# core's workers are gone; but a worker whose SIGTERM lands inside a __del__ (NIXL's, during
+# garbage collection) loses it, and the core's exit handler then joins that worker for ever.
+# A start that logged the marker is a failed start: the bound is on that shutdown, not on speed.
+CORE_FAILED = "EngineCore failed to start."
+CORE_FAILED_EXIT_S = 90.0
 SUPPORT = Path(__file__).resolve().parent
 REPO = SUPPORT.parents[1]
 PLUGIN_PACKAGE = "dist_cpu_connector"
@@ -389,11 +395,20 @@ def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                    env=env, cwd=workdir, start_new_session=True)
     server = EngineServer(spec, process, port, log_path, nixl_port=int(env[NIXL_PORT_ENV]))
+    core_failed_at: float | None = None
     try:
         while not _ready(server.url):
             if process.poll() is not None:
                 error = EngineError(f"{spec.label}: the engine exited with {process.returncode} while starting "
                                     f"(log: {log_path})\n{server.tail()}")
+                error.log_text = server.log_text()
+                raise error
+            if core_failed_at is None and CORE_FAILED in server.log_text():
+                core_failed_at = time.monotonic()
+            if core_failed_at is not None and time.monotonic() - core_failed_at > CORE_FAILED_EXIT_S:
+                error = EngineError(f"{spec.label}: the engine core failed while starting and the server did not "
+                                    f"exit within {CORE_FAILED_EXIT_S:.0f} s after it (stopped; log: {log_path})\n"
+                                    f"{server.tail()}")
                 error.log_text = server.log_text()
                 raise error
             if time.monotonic() - started > startup_timeout_s:
