@@ -32,6 +32,14 @@ from tests.support.engine import EngineError, EngineServer, clear_l1, free_port_
 from tests.support.valkey import ValkeyServer, start_valkey
 
 
+# Measured with a busy loop on one of the two cores, 20 races: a lookup's EXISTS reached Valkey
+# up to 17.2 s after its request (2 of 20 over 13 s, the rest under 0.3 s); pristine LMCache's
+# remote backend gives up on that lookup after blocking_timeout_secs, the scheduler after
+# lookup_timeout_ms. Both are bounds on hangs here, so both sit well above that.
+LOOKUP_TIMEOUT_MS = 60_000
+BLOCKING_TIMEOUT_S = 60
+
+
 class SharedPrefill:
     def __init__(self, engines, model: Path, workdir: Path):
         self.engines = engines
@@ -43,6 +51,12 @@ class SharedPrefill:
         self.spec = cpu_overlay.cpu_spec("prefill", model, free_port_block(1), label="prefill-shared",
                                          api_port=self.api_port)
         self.spec.lmcache_config["remote_url"] = self.proxy.url
+        # The cases here read a lookup or GET that gave up from LMCache's log, never from the clock,
+        # so these bounds only have to stay above how late a loaded host finishes a healthy lookup
+        # (the preset's 4 s and 5 s gave up on healthy lookups under load). A lookup or GET that
+        # never answers still gives up, after a minute.
+        self.spec.lmcache_config["lookup_timeout_ms"] = LOOKUP_TIMEOUT_MS
+        self.spec.lmcache_config["blocking_timeout_secs"] = BLOCKING_TIMEOUT_S
         self.spec.read_only_root = True
         if self.spec.vllm_config.get("enable-prompt-tokens-details") is not True:
             raise EngineError("configs/prefill/vllm.yaml: enable-prompt-tokens-details is not true; the "

@@ -25,7 +25,7 @@ from tests.support import cpu_overlay
 from tests.support.engine import clear_l1, free_port_block, observe
 from tests.support.valkey import start_valkey
 
-REQUEST_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 120.0  # a bound on a hang: above the shared engine's lookup_timeout_ms
 # The native client's and the remote backend's words for a lost connection.
 L2_DOWN = re.compile(r"Error occurred in batched_async_contains: .*|.*connection (failed|closed).*|"
                      r".*socket \w+ failed.*")
