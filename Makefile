@@ -6,7 +6,7 @@ WORK ?= $(CURDIR)/work
 DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
 FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
 
-.PHONY: help gpu-bundles image image-check image-repro lock-debian lock test sources fetch flashinfer-artifacts patched export health manifest lint pin audit clean
+.PHONY: help gpu-bundles image image-check image-repro lock-debian lock test stress sources fetch flashinfer-artifacts patched export health manifest lint pin audit clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -32,6 +32,9 @@ lock: ## resolve the image's Python dependency closure by sha256 into build/lock
 
 test: ## the CPU test suite: tool tests, patch proofs on pristine and patched LMCache, peer suite [TEST_ARGS=--no-engine ..]
 	$(DIST) test $(TEST_ARGS)
+
+stress: ## phases 1-3 with busy loops beside them; lists every test whose result changed from the last idle make test [HOG=1] [TEST_ARGS=..]
+	$(DIST) test --hog $(or $(HOG),1) --no-peer $(TEST_ARGS)
 
 gpu-bundles: ## make and stamp the bundles a GPU machine without the trees runs the GPU checks from (tests/device_run.sh)
 	$(DIST) gpu-bundles

@@ -14,7 +14,8 @@ from . import manifest as manifest_step
 from . import pins as pins_step
 from .errors import DistBuildError
 from .fetch import fetch
-from .identity import identity_problems, parse_identity
+from .generated import generated_file_problems
+from .identity import identity_problems, parse_identity, placeholder_notice
 from .gitrepo import PRISTINE_REF, Repo
 from .index import IndexClient, IndexConfig
 from .paths import Layout
@@ -110,7 +111,11 @@ def cmd_lint(args: argparse.Namespace, layout: Layout) -> int:
         patches = load_series(layout.series_dir(upstream))
         for patch in patches:
             problems.extend(check_headers(patch))
+            problems.extend(generated_file_problems(patch.path))
         problems.extend(identity_problems(patches))
+        notice = placeholder_notice(patches)
+        if notice:
+            print(notice)
     for problem in problems:
         print(problem, file=sys.stderr)
     print(f"lint: {len(pins)} pins, {len(problems)} problem(s)")
@@ -240,7 +245,7 @@ def _left_out_site_builder(layout: Layout, python: Path):
 
 
 def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
-    from . import testrun
+    from . import stress, testrun
 
     from .toolchain import ensure_toolchain
 
@@ -248,9 +253,16 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
     cuda = ensure_toolchain(pins_step.load(layout.pins_file), layout.cache, layout.work / "toolchain", _client)
     series = [patch.name for patch in load_series(layout.series_dir("lmcache"))]
     leave_one_out = None if args.no_leave_one_out else (series, _left_out_site_builder(layout, python))
-    return testrun.run_all(layout.repo, layout.work, python, envs, layout.tree("lmcache"), args.pytest_args,
-                           extra_env={"DIST_CUDA_HOME": str(cuda), "DIST_REQUIRE_VLLM_WHEEL": "1"}, paths=args.paths,
-                           peer=not args.no_peer, leave_one_out=leave_one_out, engine=not args.no_engine)
+    baseline = stress.keep_idle_baseline(layout.work) if args.hog else None
+    with stress.busy_loops(args.hog):
+        returncode = testrun.run_all(layout.repo, layout.work, python, envs, layout.tree("lmcache"), args.pytest_args,
+                                     extra_env={"DIST_CUDA_HOME": str(cuda), "DIST_REQUIRE_VLLM_WHEEL": "1"},
+                                     paths=args.paths, peer=not args.no_peer, leave_one_out=leave_one_out,
+                                     engine=not args.no_engine)
+    stress.record_load(layout.work / "test-results", args.hog)
+    if args.hog:
+        return stress.report(layout.work, baseline) or returncode
+    return returncode
 
 
 def cmd_gpu_bundles(args: argparse.Namespace, layout: Layout) -> int:
@@ -378,12 +390,15 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("toolchain", help="install the pinned CUDA 13.0 compiler wheels into work/toolchain")
     s.set_defaults(func=cmd_toolchain)
 
-    s = sub.add_parser("test", help="build both CPU test venvs and run the three test phases")
+    s = sub.add_parser("test", help="build both CPU test venvs and run the four test phases")
     s.add_argument("--paths", nargs="+", default=["tests"], help="project test paths (default: tests)")
     s.add_argument("--no-peer", action="store_true", help="skip phase 4 (a partial run; never in CI)")
     s.add_argument("--no-leave-one-out", action="store_true", help="skip phase 3 (a partial run; never in CI)")
     s.add_argument("--no-engine", action="store_true",
                    help="skip the real-engine scenarios (tests/engine) in every phase (a partial run; never in CI)")
+    s.add_argument("--hog", type=int, default=0, metavar="N",
+                   help="run N busy loops beside the tests and list every result that changed from the last "
+                        "idle run (make stress)")
     s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments, after --")
     s.set_defaults(func=cmd_test)
 

@@ -16,7 +16,12 @@ Phases:
 4. ``peer``: LMCache's own CPU tests listed in ``tests/peer/suite.txt``,
    against a real Valkey, first with the pristine build, then with the
    patched build (plus the upstream-style test files the series adds); every
-   test that passes on pristine must pass on patched.
+   test that passes on pristine must pass on patched. It runs beside phases
+   2 and 3 (all three mostly wait on servers and timeouts), its output in
+   ``work/logs/phase-4-*.log``.
+
+The closing summary gives each phase's minutes and the slowest ten tests, so
+a regression in time shows in CI's own output.
 """
 from __future__ import annotations
 
@@ -343,6 +348,60 @@ def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: 
 ENGINE_TESTS = "tests/engine"
 
 
+@dataclass
+class PeerRun:
+    pristine: Outcome
+    patched: Outcome
+    added: list[str]
+    seconds: float
+
+
+def run_peer_suite(python: Path, work: Path, tree: Path, args: list[str],
+                   pristine_env: dict[str, str], patched_env: dict[str, str]) -> PeerRun:
+    """Phase 4: LMCache's own CPU tests on the pristine build, then on the patched build with the test
+    files the series adds. Its output goes to logs: it runs beside phases 2 and 3."""
+    junit, logs = work / "test-results", work / "logs"
+    t0 = time.monotonic()
+    print(f"\n=== phase 4/4: LMCache's own CPU tests, beside phases 2 and 3 (logs: {logs}/phase-4-*.log)",
+          flush=True)
+    with peer_valkey(python, work) as services:
+        pristine_dir = peer_tests_dir(tree, work, "pristine", PRISTINE_REF)
+        pristine = run_pytest(python, args, pristine_dir, junit / "peer-pristine.xml",
+                              {**pristine_env, **services, "TMPDIR": _job_tmp(work, "phase-4-pristine")},
+                              "phase 4/4: LMCache's own CPU tests, pristine LMCache", logs / "phase-4-pristine.log")
+        patched_dir = peer_tests_dir(tree, work, "patched", "HEAD")
+        added = series_test_files(tree)
+        patched = run_pytest(python, [*args, *added], patched_dir, junit / "peer.xml",
+                             {**patched_env, **services, "TMPDIR": _job_tmp(work, "phase-4-patched")},
+                             "phase 4/4: LMCache's own CPU tests, patched LMCache", logs / "phase-4-patched.log")
+    return PeerRun(pristine, patched, added, time.monotonic() - t0)
+
+
+def judge_peer(run: PeerRun, work: Path) -> list[str]:
+    """Phase 4's problems: an upstream test that passes on pristine and not on patched, a failing test
+    the series adds, or a suite in which nothing passed."""
+    base, peer = run.pristine, run.patched
+    problems = []
+    record = work / "test-results" / "peer-pristine-passed.txt"
+    record.write_text("".join(f"{node}\n" for node in sorted(base.passed)))
+    regressed = sorted(base.passed - peer.passed)
+    if not base.passed:
+        problems.append("phase 4: no upstream test passed on the pristine build; the suite did not really run"
+                        f" (log: {work / 'logs' / 'phase-4-pristine.log'})")
+    if regressed:
+        problems.append(f"phase 4: {len(regressed)} upstream test(s) that pass on pristine do not pass on patched: "
+                        + ", ".join(regressed[:10]) + f" (log: {work / 'logs' / 'phase-4-patched.log'})")
+    ours_failed = added_failed(peer, run.added)
+    if ours_failed:
+        problems.append(f"phase 4: {len(ours_failed)} test(s) the series adds to LMCache's tests/ fail on "
+                        "patched: " + ", ".join(ours_failed[:10]) + f" (log: {work / 'logs' / 'phase-4-patched.log'})")
+    print(f"\n=== phase 4/4 (ran beside phases 2 and 3, {run.seconds / 60:.1f} min): {len(base.passed)} passed on "
+          f"pristine ({len(base.failed)} failed, {len(base.skipped)} skipped; list in {record}); "
+          f"{len(base.passed & peer.passed)} of those pass on patched; patched adds "
+          f"{len(peer.passed - base.passed)} passing test(s) from {len(run.added)} new file(s)", flush=True)
+    return problems
+
+
 def without_engine(paths: list[str], pytest_args: list[str]) -> tuple[list[str], list[str]]:
     """The paths and pytest arguments that leave the real-engine scenarios out of every phase
     (--no-engine, a quick loop): pytest's --ignore drops them from a folder it walks, not from
@@ -359,7 +418,7 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
             paths: list[str] | None = None, peer: bool = True,
             leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None = None,
             engine: bool = True) -> int:
-    """The three phases; prints one closing 'N passed, N failed' line."""
+    """The four phases; prints one closing 'N passed, N failed' line."""
     junit = work / "test-results"
     results: dict[str, Outcome] = {}
     problems: list[str] = []
@@ -373,6 +432,7 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
     paths = paths or ["tests"]
     pytest_args = [a for a in pytest_args if a != "--"]
     seconds: dict[str, float] = {}
+    started = time.monotonic()
     # Phase 1 collects every test; it writes which files hold each patch's proofs for phase 3.
     proof_map = junit / "proof-map.json"
     proof_map.unlink(missing_ok=True)
@@ -384,6 +444,20 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
     if results["patched"].returncode != 0:
         problems.append(f"phase 1: {len(results['patched'].failed)} project test(s) failed on the patched tree"
                         + _names(results["patched"].failed))
+
+    # Phase 4 runs beside phases 2 and 3: all of them mostly wait on servers and timeouts.
+    suite = read_list(repo / "tests" / "peer" / "suite.txt")
+    added: list[str] = []
+    peer_future: concurrent.futures.Future[PeerRun] | None = None
+    peer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    if not peer:
+        problems.append("phase 4: skipped (--no-peer): a partial run")
+    elif not suite:
+        problems.append("phase 4: tests/peer/suite.txt is empty; the peer suite did not run")
+    else:
+        peer_future = peer_pool.submit(run_peer_suite, python, work, tree, [*suite, *pytest_args],
+                                       pristine_env, patched_env)
+    peer_pool.shutdown(wait=False)
 
     # Phases 2 and 3 share one pool: the pristine proofs run beside the first variants.
     jobs = leave_one_out_jobs()
@@ -419,40 +493,11 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
         problems.append(f"phase 2: {len(proofs.failed)} proof(s) did not fail on the pristine tree (strict xfail)"
                         + _names(proofs.failed))
 
-    suite = read_list(repo / "tests" / "peer" / "suite.txt")
-    added: list[str] = []
-    if not peer:
-        problems.append("phase 4: skipped (--no-peer): a partial run")
-    elif not suite:
-        problems.append("phase 4: tests/peer/suite.txt is empty; the peer suite did not run")
-    else:
-        t0 = time.monotonic()
-        with peer_valkey(python, work) as services:
-            pristine_dir = peer_tests_dir(tree, work, "pristine", PRISTINE_REF)
-            base = run_pytest(python, [*suite, *pytest_args], pristine_dir, junit / "peer-pristine.xml",
-                              {**pristine_env, **services}, "phase 4/4: LMCache's own CPU tests, pristine LMCache")
-            patched_dir = peer_tests_dir(tree, work, "patched", "HEAD")
-            added = series_test_files(tree)
-            peer = run_pytest(python, [*suite, *added, *pytest_args], patched_dir, junit / "peer.xml",
-                              {**patched_env, **services}, "phase 4/4: LMCache's own CPU tests, patched LMCache")
-        seconds["4"] = time.monotonic() - t0
-        results["peer"] = peer
-        results["peer-pristine"] = base
-        record = work / "test-results" / "peer-pristine-passed.txt"
-        record.write_text("".join(f"{node}\n" for node in sorted(base.passed)))
-        regressed = sorted(base.passed - peer.passed)
-        if not base.passed:
-            problems.append("phase 4: no upstream test passed on the pristine build; the suite did not really run")
-        if regressed:
-            problems.append(f"phase 4: {len(regressed)} upstream test(s) that pass on pristine do not pass on patched: "
-                            + ", ".join(regressed[:10]))
-        ours_failed = added_failed(peer, added)
-        if ours_failed:
-            problems.append(f"phase 4: {len(ours_failed)} test(s) the series adds to LMCache's tests/ fail on "
-                            "patched: " + ", ".join(ours_failed[:10]))
-        print(f"\npeer suite: {len(base.passed)} passed on pristine ({len(base.failed)} failed, "
-              f"{len(base.skipped)} skipped; list in {record}); {len(base.passed & peer.passed)} of those pass on "
-              f"patched; patched adds {len(peer.passed - base.passed)} passing test(s) from {len(added)} new file(s)")
+    if peer_future is not None:
+        run = peer_future.result()
+        seconds["4"] = run.seconds
+        results["peer"], results["peer-pristine"], added = run.patched, run.pristine, run.added
+        problems.extend(judge_peer(run, work))
 
     left = results.get("leave-one-out", Outcome())
     passed = (sum(len(o.passed) for o in results.values()) + len(proofs.xfailed) + len(left.xfailed))
@@ -461,7 +506,8 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
     failed = (len(results["patched"].failed) + len(proofs.failed) + len(left.failed)
               + len(regressed_peer(results)) + len(added_failed(results.get("peer"), added)))
     skipped = sum(len(o.skipped) for o in results.values())
-    print("\nsummary (" + ", ".join(f"phase {n} {t / 60:.1f} min" for n, t in seconds.items()) + "):")
+    timed = ", ".join(f"phase {n} {t / 60:.1f} min" + (" beside 2+3" if n == "4" else "") for n, t in seconds.items())
+    print(f"\nsummary ({timed}; {(time.monotonic() - started) / 60:.1f} min in all):")
     print(f"  phase 1 project tests (patched): {len(results['patched'].passed)} passed, "
           f"{len(results['patched'].failed)} failed, {len(results['patched'].skipped)} skipped")
     print(f"  phase 2 patch proofs (pristine): {len(proofs.xfailed)} failed as they must, "

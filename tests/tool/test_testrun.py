@@ -85,3 +85,15 @@ def test_the_summary_names_the_slowest_tests_of_every_run(tmp_path):
     assert lines[0] == "  slowest 10 tests:" and len(lines) == 11
     assert lines[1].split() == ["60.0", "s", "pristine:", "tests.p::test_proof"]
     assert lines[2].endswith("patched: tests.t::test_11") and "tests.t::test_2" not in text
+
+
+def test_phase_4_names_a_regression_and_the_log_that_shows_it(tmp_path, capsys):
+    (tmp_path / "test-results").mkdir()
+    run = testrun.PeerRun(pristine=testrun.Outcome(passed={"tests.a::t", "tests.b::t"}),
+                          patched=testrun.Outcome(passed={"tests.a::t"}, failed={"tests.b::t"}),
+                          added=[], seconds=90.0)
+    problems = testrun.judge_peer(run, tmp_path)
+    assert len(problems) == 1 and "1 upstream test(s)" in problems[0] and "tests.b::t" in problems[0]
+    assert str(tmp_path / "logs" / "phase-4-patched.log") in problems[0]
+    assert "ran beside phases 2 and 3, 1.5 min" in capsys.readouterr().out
+    assert (tmp_path / "test-results" / "peer-pristine-passed.txt").read_text() == "tests.a::t\ntests.b::t\n"
