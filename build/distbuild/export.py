@@ -16,6 +16,7 @@ from typing import Callable
 from .errors import DistBuildError
 from .gitrepo import FIXED_DATE, PREPARED_REF, PRISTINE_REF, Repo, git_env
 from .identity import Identity, header_identity, sign_off_as
+from .generated import generated_file_problems
 from .series import check_headers, parse_patch, series_entries
 
 FORMAT_PATCH = ("format-patch", "-1", "--stdout", "--zero-commit", "--no-signature", "--full-index",
@@ -115,6 +116,7 @@ def export(upstream: str, tree: Path, directory: Path, log: Callable[[str], None
             tmp.replace(target)
             result.written.append(name)
         result.warnings.extend(check_headers(parse_patch(target)))
+        result.warnings.extend(generated_file_problems(target))
     for entry in old_entries:
         if entry not in new_entries:
             (directory / entry).unlink(missing_ok=True)

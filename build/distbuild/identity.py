@@ -4,7 +4,9 @@ A series goes upstream as the work of whoever forwards it: they export it
 under their own name (``make export IDENTITY="Name <email>"``), which makes
 every patch's ``From:`` and its one ``Signed-off-by:`` line (the DCO the
 upstreams require) that identity. ``lint`` checks that a series carries one
-identity, so no patch goes out signed by someone else.
+identity, so no patch goes out signed by someone else, and says when that
+identity is a placeholder (an address no person reads): such a series builds
+byte for byte the same everywhere, but it is not DCO-ready until exported.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ if TYPE_CHECKING:
 _IDENTITY = re.compile(r"^(?P<name>[^<>\n]*[^<>\s])\s+<(?P<email>[^<>@\s]+@[^<>\s]+)>$")
 _SIGNED_OFF = re.compile(r"^Signed-off-by:.*$", re.M)
 _FROM = re.compile(r"^From: .*(?:\n[ \t].*)*$", re.M)
+# Hosts no mail reaches (RFC 2606 and RFC 6761 names).
+_PLACEHOLDER_HOST = re.compile(r"(^|\.)(localhost|localdomain|invalid|example|test|local)$|"
+                               r"^example\.(com|org|net)$", re.I)
 
 
 @dataclass(frozen=True)
@@ -99,3 +104,19 @@ def identity_problems(patches: Sequence["Patch"]) -> list[str]:
         problems.append(f"{patches[0].path.parent}/series: {len(authors)} identities in one series: {listed}; "
                         "export it under one (make export IDENTITY='Name <email>')")
     return problems
+
+
+def is_placeholder(identity: Identity) -> bool:
+    return bool(_PLACEHOLDER_HOST.search(identity.email.rpartition("@")[2]))
+
+
+def placeholder_notice(patches: Sequence["Patch"]) -> str | None:
+    """A plain statement that a series is signed off by a placeholder, or None."""
+    placeholders = sorted({str(who) for patch in patches
+                           if (who := header_identity(patch.path.read_text(errors="replace")
+                                                      .partition("\n---\n")[0])) and is_placeholder(who)})
+    if not placeholders:
+        return None
+    return (f"{patches[0].path.parent}/series: not DCO-ready: authored and signed off by the placeholder "
+            f"{', '.join(placeholders)}; whoever forwards it exports it under their own name: "
+            "make export IDENTITY='Full Name <name@host>'")
