@@ -5,10 +5,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from kvsizing import geometry
 
+from . import cellsim_defaults as defaults
 from . import gates as gate_rules
 from .common import (
     EXIT_ERROR,
@@ -28,19 +28,21 @@ TOOL = "cellsim"
 
 DESCRIPTION = """\
 Simulate prefill pods loading KV from Valkey shards, to see before deploying
-whether a cache tier keeps up: requests arrive (Poisson, or a replay stream),
-go to the pods round-robin; each pod's PCP group runs in lockstep; each shard
-is one single-threaded server spending --get-ms per chunk GET. Synchronous
-loading freezes the pod for its load; asynchronous loading delays only its
-request, up to the async lookup timeout, then recomputes. Model and its
-limits: scripts/README.md and scripts/opstools/cellsim_model.py.
+whether a cache tier keeps up: requests arrive (Poisson, or a trace with its
+send times), go to the pods round-robin; each pod's PCP group runs in
+lockstep and batches waiting requests into steps; each shard is one main
+thread shared by the GETs of every client in flight. Synchronous loading
+freezes the pod for its loads; asynchronous loading prefetches, up to the
+async lookup timeout, then recomputes while the prefetch runs on. Every
+default comes from a measurement of the write-up (scripts/README.md, and
+scripts/opstools/cellsim_defaults.py says which).
 
-  cellsim run ...       one configuration: TTFT, in flight, shard and GPU busy, PNGs
+  cellsim run ...       one configuration over --seeds streams: TTFT, in flight, shard and GPU busy, PNGs
   cellsim sweep ...     pods x shards against TTFT gates: the smallest cell that passes
   cellsim writeup       the write-up's runaway and its fix, simulated, against its figures
 
 example:
-  scripts/cellsim run --shards 1 --loading sync --instance-gbps 0.835 --out work/ops/sim-sync
+  scripts/cellsim run --shards 1 --loading sync --seeds 20 --out work/ops/sim-sync
   scripts/cellsim sweep --rate 4.8 --pods 1,2,4 --shards 1,2,4,8 --loading async --gate-p90 2
   scripts/cellsim writeup --seeds 20
 """
@@ -56,6 +58,74 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def shard_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated instance numbers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected instance numbers >= 0, got {text!r}")
+    return values
+
+
+def token_span(text: str) -> int | tuple[int, int]:
+    """``16384`` or ``9000-200000`` (log-uniform between the two)."""
+    parts = text.split("-")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKENS or MIN-MAX, got {text!r}") from None
+    if len(values) not in (1, 2) or any(v < 1 for v in values) or values != sorted(values):
+        raise argparse.ArgumentTypeError(f"expected TOKENS or MIN-MAX with 1 <= MIN <= MAX, got {text!r}")
+    return values[0] if len(values) == 1 else (values[0], values[1])
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _add_valkey_options(cell: argparse._ArgumentGroup) -> None:
+    speed = cell.add_mutually_exclusive_group()
+    speed.add_argument("--get-ms", type=positive_float, default=defaults.GET_MS, metavar="MS",
+                       help="server time per chunk GET with one client reading the instance (valkey-stats' usec per "
+                            "GET / 1000), measured with --measured-chunk-mb chunks (write-up H5b: 8.9)")
+    speed.add_argument("--get-gbps", type=positive_float, metavar="GB_S",
+                       help="the same as a bandwidth: bytes per second of GETs with one client in flight")
+    cell.add_argument("--measured-chunk-mb", type=positive_float, default=geometry.WRITEUP_CHUNK_BYTES / 1e6,
+                      metavar="MB", help="the chunk --get-ms was measured with; applied to this run's chunk the "
+                                         "time is scaled by bytes (write-up: 12.4)")
+    cell.add_argument("--get-contention", type=non_negative_float, default=defaults.GET_CONTENTION, metavar="X",
+                      help="how much longer a GET takes per further client in flight at the instance (write-up: "
+                           "one instance loaded a 16k prompt for eight ranks in 0.83-0.89 s)")
+
+
+def _add_engine_options(cell: argparse._ArgumentGroup) -> None:
+    cell.add_argument("--engine-load-ms", type=non_negative_float, default=defaults.ENGINE_LOAD_S_PER_CHUNK * 1000,
+                      metavar="MS", help="the engine's own time per loaded chunk, inside the step (write-up: the "
+                                         "8-shard median hit ~0.1 s over recompute)")
+    cell.add_argument("--gpu-step-ms", type=non_negative_float, default=defaults.GPU_STEP_S * 1000, metavar="MS",
+                      help="GPU work per step besides computing its tokens (write-up: GPUs 7%% busy in the sync "
+                           "runaway)")
+    cell.add_argument("--step-tokens", type=positive_int, default=defaults.STEP_TOKENS,
+                      help="tokens computed per step at most (the preset's max-num-batched-tokens)")
+    cell.add_argument("--step-requests", type=positive_int, default=defaults.STEP_REQUESTS,
+                      help="requests per step at most (vLLM's max_num_seqs); 1: no batching")
+    cell.add_argument("--recompute-s", type=positive_float, default=defaults.RECOMPUTE_S, metavar="S",
+                      help="seconds to prefill --recompute-tokens from scratch (write-up: 0.31 s for 16k)")
+    cell.add_argument("--recompute-tokens", type=positive_int, default=defaults.RECOMPUTE_TOKENS)
+    cell.add_argument("--async-timeout", type=positive_float, default=defaults.ASYNC_TIMEOUT_S, metavar="S",
+                      help="LMCache's async lookup timeout: recompute after S seconds")
+    cell.add_argument("--orphan-cap", type=int, default=None, metavar="N",
+                      help="timed-out prefetches that keep running per pod; the prefetch of a request that times "
+                           "out beyond N is cancelled (default: no cap, as the write-up saw them keep running)")
+
+
 def _add_cell_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
     cell = parser.add_argument_group("cell")
     if sweep:
@@ -65,20 +135,15 @@ def _add_cell_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
     else:
         cell.add_argument("--pods", type=positive_int, default=1, help="prefill pods (round-robin routing)")
         cell.add_argument("--shards", type=positive_int, default=1, help="Valkey instances")
-    cell.add_argument("--ranks", type=positive_int, default=8, help="PCP ranks per pod, in lockstep")
+    cell.add_argument("--lost-shards", type=shard_list, default=(), metavar="I,I",
+                      help="instances that are down (numbered from 0): a prompt's hit ends at its first chunk there")
+    cell.add_argument("--ranks", type=positive_int, default=defaults.RANKS, help="PCP ranks per pod, in lockstep")
     cell.add_argument("--store", choices=("sharded", "rank0"), default="sharded",
                       help="sharded: rank r reads chunks c mod ranks = r from shard r mod shards; "
                            "rank0: rank 0 reads every chunk from shard 0")
     cell.add_argument("--loading", choices=("sync", "async"), default="sync")
-    cell.add_argument("--async-timeout", type=positive_float, default=3.0, metavar="S",
-                      help="LMCache's async lookup timeout: recompute after S seconds")
-    speed = cell.add_mutually_exclusive_group()
-    speed.add_argument("--get-ms", type=positive_float, metavar="MS",
-                       help="server time per chunk GET (valkey-stats' usec per GET / 1000) of the chunks it was "
-                            "measured with (write-up H5b: 8.9 per 12.4 MB GET)")
-    speed.add_argument("--instance-gbps", type=positive_float, default=0.835, metavar="GB_S",
-                       help="one instance's bandwidth; a GET costs chunk-mb / this, the server's time scaled by "
-                            "bytes (write-up: 0.78-0.89, measured with its 12.4 MB chunks)")
+    _add_valkey_options(cell)
+    _add_engine_options(cell)
     chunk = cell.add_mutually_exclusive_group()
     chunk.add_argument("--chunk-mb", type=positive_float, default=argparse.SUPPRESS,
                        help="MB per chunk (default: from --model-config; the write-up's runs: 12.4)")
@@ -88,45 +153,50 @@ def _add_cell_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
                             "presets' fp8)")
     cell.add_argument("--kv-cache-dtype", choices=geometry.CACHE_DTYPES, default="fp8",
                       help="for --model-config: fp8 (the presets; default) or fp8_ds_mla (FLASHMLA_SPARSE)")
-    cell.add_argument("--chunk-tokens", type=positive_int, default=256)
-    cell.add_argument("--recompute-s", type=positive_float, default=0.31, metavar="S",
-                      help="seconds to prefill --recompute-tokens from scratch (write-up: 0.31 s for 16k)")
-    cell.add_argument("--recompute-tokens", type=positive_int, default=16_384)
+    cell.add_argument("--chunk-tokens", type=positive_int, default=defaults.CHUNK_TOKENS)
     load = parser.add_argument_group("load")
-    load.add_argument("--stream", type=Path, help="a replay stream (JSONL) for the arrivals instead of Poisson; "
-                                                   "prompt length from prompt_token_ids, else approx_prompt_tokens, "
-                                                   "else --prompt-tokens")
+    load.add_argument("--trace", "--stream", dest="trace", type=Path,
+                      help="a JSONL trace with each request's send time (offset_s) and length: the replay stream's "
+                           "format, or just offset_s, prompt_tokens and optionally hit_tokens (cellsim_arrivals.py)")
     load.add_argument("--count", type=positive_int, default=450, help="Poisson: requests")
     load.add_argument("--rate", type=positive_float, default=450 / 374, help="Poisson: requests per second")
-    load.add_argument("--prompt-tokens", type=positive_int, default=16_384)
+    load.add_argument("--prompt-tokens", type=token_span, default=16_384, metavar="TOKENS|MIN-MAX",
+                      help="Poisson: the prompt length, or a range drawn log-uniform; a trace line without a length")
     load.add_argument("--hit-fraction", type=fraction, default=0.985,
                       help="share of each prompt in L2 (whole chunks; write-up: 98.5%%)")
-    load.add_argument("--miss-share", type=fraction, default=0.0, help="share of requests that find nothing")
+    load.add_argument("--miss-share", type=fraction, default=0.0, help="Poisson: share of requests that find nothing")
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--seeds", type=positive_int, default=1, help="repeat over this many Poisson streams")
 
 
-def chunk_mb(args: argparse.Namespace) -> float:
+def chunk_bytes(args: argparse.Namespace) -> float:
     """--chunk-mb, or the chunk of --chunk-tokens tokens of the model's KV (GLM-5.3's by default)."""
     if getattr(args, "chunk_mb", None) is not None:
-        return args.chunk_mb
+        return args.chunk_mb * 1e6
     path = getattr(args, "model_config", None)
     try:
         config = geometry.GLM53_CONFIG if path is None else geometry.load_config(path)
         kv = geometry.from_config(config, args.kv_cache_dtype)
     except geometry.ConfigError as exc:
         raise OpsError(f"--model-config: {exc}") from None
-    return kv.chunk_bytes(args.chunk_tokens) / 1e6
+    return float(kv.chunk_bytes(args.chunk_tokens))
 
 
-def _config(args: argparse.Namespace, pods: int, shards: int):
-    from .cellsim_model import CellConfig
+def get_s(args: argparse.Namespace) -> float:
+    if args.get_gbps is not None:
+        return defaults.get_s_from_gbps(args.get_gbps, chunk_bytes(args))
+    return defaults.get_s_for_chunk(args.get_ms, args.measured_chunk_mb * 1e6, chunk_bytes(args))
 
-    get_s = args.get_ms / 1000.0 if args.get_ms else chunk_mb(args) * 1e6 / (args.instance_gbps * 1e9)
-    config = CellConfig(pods=pods, ranks=args.ranks, shards=shards, store=args.store, loading=args.loading,
-                        get_s=get_s, chunk_tokens=args.chunk_tokens,
-                        prefill_tokens_per_s=args.recompute_tokens / args.recompute_s,
-                        async_timeout_s=args.async_timeout)
+
+def cell_config(args: argparse.Namespace, pods: int, shards: int):
+    from .cellsim_config import CellConfig
+
+    config = CellConfig(
+        pods=pods, ranks=args.ranks, shards=shards, store=args.store, loading=args.loading, get_s=get_s(args),
+        get_contention=args.get_contention, engine_load_s_per_chunk=args.engine_load_ms / 1000,
+        gpu_step_s=args.gpu_step_ms / 1000, step_tokens=args.step_tokens, step_requests=args.step_requests,
+        chunk_tokens=args.chunk_tokens, prefill_tokens_per_s=args.recompute_tokens / args.recompute_s,
+        async_timeout_s=args.async_timeout, orphan_cap=args.orphan_cap, lost_shards=tuple(args.lost_shards))
     try:
         config.validate()
     except ValueError as exc:
@@ -134,56 +204,16 @@ def _config(args: argparse.Namespace, pods: int, shards: int):
     return config
 
 
-def _arrivals(args: argparse.Namespace, seed: int):
-    import math
+def arrivals_source(args: argparse.Namespace):
+    """seed -> arrivals: a Poisson stream per seed, or the trace (read once, the same for every seed)."""
+    from .cellsim_arrivals import poisson_arrivals, read_trace
 
-    from .cellsim_model import Arrival, poisson_arrivals
-
-    if args.stream is None:
-        return poisson_arrivals(args.count, args.rate, args.prompt_tokens, args.hit_fraction, args.chunk_tokens,
-                                seed, args.miss_share)
-    from .stream import read_stream
-
-    requests = read_stream(args.stream)
-    lengths: dict[str, int] = {}
-    with args.stream.open(encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                obj = json.loads(line)
-                if isinstance(obj.get("approx_prompt_tokens"), (int, float)):
-                    lengths[str(obj.get("id", ""))] = int(obj["approx_prompt_tokens"])
-    arrivals = []
-    for request in requests:
-        tokens = len(request.prompt_token_ids) if request.prompt_token_ids else lengths.get(request.id,
-                                                                                           args.prompt_tokens)
-        hit = math.floor(tokens * args.hit_fraction / args.chunk_tokens) * args.chunk_tokens
-        arrivals.append(Arrival(request.offset_s, tokens, hit))
-    return arrivals
-
-
-def _records(result) -> list:
-    from .records import OK, RequestRecord
-
-    records = []
-    for index, outcome in enumerate(result.outcomes):
-        arrival = outcome.arrival
-        records.append(RequestRecord(
-            id=f"r{index:05d}", offset_s=arrival.arrival_s, sent_s=arrival.arrival_s,
-            first_token_s=outcome.first_token_s, end_s=outcome.first_token_s, prompt_tokens=arrival.prompt_tokens,
-            completion_tokens=1, cached_tokens=0 if outcome.timed_out else arrival.hit_tokens, status=OK,
-            error="async lookup timeout: recomputed" if outcome.timed_out else "",
-        ))
-    return records
-
-
-def _sim_figures(result) -> dict[str, Any]:
-    return {
-        "gpu_busy": result.gpu_busy_fraction(),
-        "shard_utilisation": result.shard_utilisation(),
-        "timeout_share": result.timeout_share(),
-        "makespan_s": result.makespan_s,
-        "get_ms": result.config.get_s * 1000,
-    }
+    if args.trace is not None:
+        default_tokens = args.prompt_tokens if isinstance(args.prompt_tokens, int) else args.prompt_tokens[0]
+        trace = read_trace(args.trace, default_tokens, args.hit_fraction, args.chunk_tokens)
+        return lambda seed: trace
+    return lambda seed: poisson_arrivals(args.count, args.rate, args.prompt_tokens, args.hit_fraction,
+                                         args.chunk_tokens, seed, args.miss_share)
 
 
 def _gates(args: argparse.Namespace) -> list[gate_rules.Gate]:
@@ -200,98 +230,78 @@ def _add_gates(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate-p99", type=gate_limit, default=None, metavar="S")
 
 
+def _seeds(args: argparse.Namespace) -> range:
+    # a trace is one stream: more seeds would repeat the same run
+    return range(args.seed, args.seed + (1 if args.trace is not None else args.seeds))
+
+
+def describe(config, args: argparse.Namespace) -> str:
+    lost = f", shard(s) {','.join(map(str, config.lost_shards))} down" if config.lost_shards else ""
+    return (f"cell: {config.pods} pod(s) x {config.ranks} ranks, {config.shards} shard(s){lost}, {config.store} "
+            f"store, {config.loading} loading, {config.get_s * 1000:.2f} ms per GET (+{config.get_contention:.1%} "
+            f"per further client), engine {config.engine_load_s_per_chunk * 1000:.2f} ms per loaded chunk, GPU "
+            f"{config.gpu_step_s * 1000:.0f} ms per step, recompute "
+            f"{args.recompute_tokens / config.prefill_tokens_per_s:.3f} s per {args.recompute_tokens} tokens")
+
+
 def command_run(args: argparse.Namespace) -> int:
-    from .cellsim_model import simulate
-    from .replay_report import format_report, write_records_csv
-    from .stats import summarize
+    from . import cellsim_runs as runs_of
 
-    config = _config(args, args.pods, args.shards)
+    config = cell_config(args, args.pods, args.shards)
+    runs = runs_of.run_seeds(config, arrivals_source(args), _seeds(args), _gates(args))
     out = prepare_out_dir(args.out, TOOL)
-    runs = []
-    for seed in range(args.seed, args.seed + args.seeds):
-        result = simulate(config, _arrivals(args, seed))
-        records = _records(result)
-        summary = summarize(records)
-        results = gate_rules.evaluate(summary, _gates(args))
-        runs.append((seed, result, records, summary, results))
-    seed, result, records, summary, results = runs[0]
-    write_records_csv(out / "records.csv", records)
-    passed = gate_rules.verdict(results)
-    print(f"cell: {config.pods} pod(s) x {config.ranks} ranks, {config.shards} shard(s), {config.store} store, "
-          f"{config.loading} loading, {config.get_s * 1000:.2f} ms per GET, recompute "
-          f"{args.recompute_tokens / config.prefill_tokens_per_s:.3f} s per {args.recompute_tokens} tokens")
-    print(format_report(summary, results, passed).split("\nthroughput")[0])
-    util = result.shard_utilisation()
-    print(f"shard utilisation: {', '.join(f'{u:.1%}' for u in util)}; GPU busy {result.gpu_busy_fraction():.1%}; "
-          f"async timeouts {result.timeout_share():.1%} of requests")
-    data: dict[str, Any] = {
-        "config": config.__dict__, "seed": seed, "summary": summary.to_json(), "sim": _sim_figures(result),
-        "verdict": "PASS" if passed else "FAIL",
-    }
-    if args.seeds > 1:
-        import statistics
-
-        p90 = [s.ttft.p90 for _, _, _, s, _ in runs]
-        share = sum(gate_rules.verdict(r) for *_, r in runs) / len(runs)
-        print(f"over {args.seeds} streams: TTFT p90 median {statistics.median(p90):.2f} s "
-              f"(range {min(p90):.2f}-{max(p90):.2f}); gates pass in {share:.0%} of them")
-        data["seeds"] = [{"seed": sd, "ttft_p90": s.ttft.p90, "ttft_p50": s.ttft.p50, "peak_in_flight":
-                          s.peak_in_flight, "passed": gate_rules.verdict(r)} for sd, _, _, s, r in runs]
-        passed = share == 1.0
-    (out / "summary.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    passed = runs_of.verdict(runs)
+    print(describe(config, args))
+    print(runs_of.format_table(runs))
+    print(runs_of.format_gates(runs))
+    summary = runs_of.summary_json(config, runs)
+    runs_of.write_records(out / "records.csv", runs)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    written = f"{out}/records.csv (replay format, a seed column), summary.json"
     if not args.no_plots:
         from . import plots
         from .cellsim_plots import plot_cache_tier
 
-        title = f"simulated, {config.pods}P x {config.shards} shards, {config.loading}"
-        plots.plot_ttft_over_time(out / "ttft_over_time.png", records, summary, results, title)
-        plots.plot_in_flight(out / "in_flight.png", records, summary, title)
-        plot_cache_tier(out / "cache_tier.png", result, title)
-    print(f"written: {out}/records.csv (replay format), summary.json"
-          + ("" if args.no_plots else ", ttft_over_time.png, in_flight.png, cache_tier.png"))
-    print(f"verdict: {'PASS' if passed else 'FAIL'}")
+        first = runs[0]
+        title = (f"simulated, {config.pods}P x {config.shards} shards, {config.loading}, seed {first.seed}"
+                 + (f" (first of {len(runs)})" if len(runs) > 1 else ""))
+        results = first.gates
+        plots.plot_ttft_over_time(out / "ttft_over_time.png", first.records, first.summary, results, title)
+        plots.plot_in_flight(out / "in_flight.png", first.records, first.summary, title)
+        plot_cache_tier(out / "cache_tier.png", first.result, title)
+        written += f"; ttft_over_time.png, in_flight.png, cache_tier.png of seed {first.seed}"
+    print(f"written: {written}")
+    print(f"verdict over {runs_of.seeds_label(runs)}: {'PASS' if passed else 'FAIL'}")
     return EXIT_OK if passed else EXIT_FAILED
 
 
 def command_sweep(args: argparse.Namespace) -> int:
-    import statistics
+    from . import cellsim_runs as runs_of
 
-    from .cellsim_model import simulate
-    from .stats import summarize
-
+    source = arrivals_source(args)
+    seeds = _seeds(args)
     rows = []
-    print(f"| pods | shards | TTFT p50 | TTFT p90 | TTFT mean | max shard util | GPU busy | timeouts | "
-          f"gates pass ({args.seeds} streams) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| pods | shards | TTFT p50 | TTFT p90 | TTFT mean | tokens/min | busiest shard | GPU busy | timeouts | "
+          f"gates pass (seeds of {len(seeds)}) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for pods in args.pods:
         for shards in args.shards:
-            config = _config(args, pods, shards)
-            seeds = []
-            for seed in range(args.seed, args.seed + args.seeds):
-                result = simulate(config, _arrivals(args, seed))
-                summary = summarize(_records(result))
-                seeds.append((summary, result, gate_rules.verdict(gate_rules.evaluate(summary, _gates(args)))))
-            med = statistics.median
-            row = {
-                "pods": pods, "shards": shards,
-                "ttft_p50": med(s.ttft.p50 for s, _, _ in seeds), "ttft_p90": med(s.ttft.p90 for s, _, _ in seeds),
-                "ttft_mean": med(s.ttft.mean for s, _, _ in seeds),
-                "shard_util": med(max(r.shard_utilisation()) for _, r, _ in seeds),
-                "gpu_busy": med(r.gpu_busy_fraction() for _, r, _ in seeds),
-                "timeouts": med(r.timeout_share() for _, r, _ in seeds),
-                "pass_share": sum(p for *_, p in seeds) / len(seeds),
-            }
+            runs = runs_of.run_seeds(cell_config(args, pods, shards), source, seeds, _gates(args))
+            med = {key: value["median"] for key, value in runs_of.aggregate(runs).items()}
+            row = {"pods": pods, "shards": shards, **med, "passed_seeds": sum(r.passed for r in runs),
+                   "seeds": len(runs)}
             rows.append(row)
-            print(f"| {pods} | {shards} | {row['ttft_p50']:.2f} s | {row['ttft_p90']:.2f} s | {row['ttft_mean']:.2f} s "
-                  f"| {row['shard_util']:.1%} | {row['gpu_busy']:.1%} | {row['timeouts']:.1%} | "
-                  f"{row['pass_share']:.0%} |")
-    passing = [r for r in rows if r["pass_share"] == 1.0]
+            print(f"| {pods} | {shards} | {med['ttft_p50']:.2f} s | {med['ttft_p90']:.2f} s | "
+                  f"{med['ttft_mean']:.2f} s | {med['tokens_per_minute'] / 1e6:.2f}M | "
+                  f"{med['max_shard_utilisation']:.1%} | {med['gpu_busy']:.1%} | {med['timeout_share']:.1%} | "
+                  f"{row['passed_seeds']} |")
+    passing = [r for r in rows if r["passed_seeds"] == r["seeds"]]
     best = min(passing, key=lambda r: (r["pods"], r["shards"])) if passing else None
     gates = ", ".join(g.description for g in _gates(args))
     if best is None:
-        print(f"no cell of these passes {gates} in every stream")
+        print(f"no cell of these passes {gates} in every seed")
     else:
-        print(f"smallest cell passing {gates} in every stream: {best['pods']} pod(s), {best['shards']} shard(s)")
+        print(f"smallest cell passing {gates} in every seed: {best['pods']} pod(s), {best['shards']} shard(s)")
     if args.out is not None:
         out = prepare_out_dir(args.out, TOOL)
         (out / "sweep.json").write_text(json.dumps({"rows": rows, "gates": gates}, indent=2) + "\n")
@@ -299,17 +309,19 @@ def command_sweep(args: argparse.Namespace) -> int:
 
 
 def command_writeup(args: argparse.Namespace) -> int:
-    from .cellsim_writeup import format_table, reproduce
+    from .cellsim_writeup import MEASURED, PREDICTIONS, format_tables, reproduce
 
-    rows = reproduce(seeds=args.seeds, first_seed=args.seed)
-    print(format_table(rows, args.seeds))
+    measured, predicted = reproduce(seeds=args.seeds, first_seed=args.seed)
+    print(format_tables(measured, predicted, args.seeds))
     if args.out is not None:
         out = prepare_out_dir(args.out, TOOL)
-        (out / "writeup.json").write_text(json.dumps([
-            {"scenario": r.figure.scenario, "figure": r.figure.name, "writeup": r.figure.writeup,
-             "claim": r.figure.claim, "median": r.median, "seed_range": [r.seed_low, r.seed_high],
-             "bandwidth_range": [r.band_low, r.band_high], "within_20pct": r.within_20pct}
-            for r in rows], indent=2) + "\n")
+        rows = [{"scenario": f.scenario, "figure": f.name, "writeup": [f.low, f.high], "claim": f.claim,
+                 "median": r.median, "seed_range": [r.seed_low, r.seed_high], "load_band": r.band,
+                 "within_20pct": f.within(r.median), "sets_default": f.calibrates, "missing": f.missing}
+                for f, r in zip(MEASURED, measured, strict=True)]
+        rows += [{"scenario": p.scenario, "prediction": p.claim, "writeup": p.value, "median": r.median}
+                 for p, r in zip(PREDICTIONS, predicted, strict=True)]
+        (out / "writeup.json").write_text(json.dumps({"seeds": args.seeds, "rows": rows}, indent=2) + "\n")
     return EXIT_OK
 
 

@@ -1,24 +1,27 @@
-"""The write-up's inputs and measured figures, and the simulator's runs of them.
+"""The write-up's measured figures, its predictions, and the simulator's runs of them.
 
-Inputs (all from the write-up): 450 hit-heavy requests of 16k tokens over
-374 s (lambda = 1.20/s), 98.5% of prompt tokens in L2 (63 of 64 chunks of 256
-tokens, 12.4 MB each), one B300 prefill node (one pod, PCP over 8 ranks),
-0.31 s to recompute a 16k prompt, one Valkey instance serving 0.78-0.89 GB/s
-(a 12.4 MB GET every 13.9-15.9 ms; the midpoint 0.835 GB/s is 14.85 ms), the
-3 s async lookup timeout, and for the sharded fix eight instances at 8.9 ms
-of server time per 12.4 MB GET (H5b).
+Inputs (all the write-up's; ``cellsim_defaults`` has the parameters derived
+from its measurements): 450 hit-heavy requests of 16k tokens over 374 s
+(Poisson, lambda = 1.20/s), 98.5% of prompt tokens in L2 (63 of 64 chunks of
+256 tokens, 12.4 MB each, the chunk its times were measured with), one B300
+prefill node (one pod, PCP over 8 ranks), 0.31 s to recompute a 16k prompt,
+8.9 ms of server time per GET, the 3 s async lookup timeout.
 
-Each scenario runs over ``seeds`` Poisson streams; a figure is the median over
-the seeds, with the range across seeds and across the bandwidth interval
-beside it, because near rho = 1 one stream differs a lot from the next.
+Every scenario runs with the same parameter set, the documented defaults;
+nothing is tuned per figure. A figure is the median over ``seeds`` Poisson
+streams (near rho = 1 one stream differs a lot from the next), with the
+range over the streams and, for the one-instance runs, the medians at the
+ends of the measured 0.83-0.89 s load beside it.
 """
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from .cellsim_model import CellConfig, SimResult, poisson_arrivals, simulate
+from kvsizing.geometry import WRITEUP_CHUNK_BYTES
+
+from . import cellsim_defaults as defaults
+from .cellsim_model import Arrival, CellConfig, SimResult, poisson_arrivals, simulate
 from .records import RequestRecord
 from .stats import percentile, split_by_send_time
 
@@ -26,73 +29,101 @@ REQUESTS = 450
 SPAN_S = 374.0
 PROMPT_TOKENS = 16_384
 HIT_FRACTION = 0.985
-# The write-up's own chunk figure, kept here because these runs reproduce the write-up's measurements,
-# which moved 12.4 MB chunks (its bandwidths and per-GET times are of that size); GLM-5.3's chunk from its
-# config is kvsizing.geometry.CHUNK_BYTES (12.2 MB, 1.5% smaller), cellsim's default everywhere else.
-CHUNK_MB = 12.4
-RECOMPUTE_S = 0.31
-INSTANCE_GBPS = (0.78, 0.835, 0.89)  # low, midpoint, high of the measured one-instance bandwidth
-SHARDED_GET_S = 8.9e-3
+SEEDS = 20
+
+SYNC_ONE = "sync, 1 instance"
+ASYNC_RANK0 = "async rank-0, 1 instance"
+ASYNC_EIGHT = "async, 8 shards"
+SYNC_EIGHT = "sync, 8 shards"
 
 
-def get_s(gbps: float) -> float:
-    return CHUNK_MB * 1e6 / (gbps * 1e9)
+def writeup_config(loading: str, store: str, shards: int, load_s: float = defaults.INSTANCE_LOAD_S[1]) -> CellConfig:
+    return CellConfig(pods=1, ranks=defaults.RANKS, shards=shards, store=store, loading=loading,
+                      get_s=defaults.get_s_for_chunk(defaults.GET_MS, WRITEUP_CHUNK_BYTES, WRITEUP_CHUNK_BYTES),
+                      get_contention=defaults.writeup_contention(load_s))
 
 
-def config(loading: str, store: str, shards: int, get_seconds: float) -> CellConfig:
-    return CellConfig(pods=1, ranks=8, shards=shards, store=store, loading=loading, get_s=get_seconds,
-                      prefill_tokens_per_s=PROMPT_TOKENS / RECOMPUTE_S, async_timeout_s=3.0)
-
-
-SCENARIOS: dict[str, Callable[[float], CellConfig]] = {
-    # one instance, synchronous loading (the deployed setting of the runaway)
-    "sync, 1 instance": lambda gbps: config("sync", "sharded", 1, get_s(gbps)),
-    # one instance, asynchronous loading through LMCache's rank-0 store
-    "async rank-0, 1 instance": lambda gbps: config("async", "rank0", 1, get_s(gbps)),
-    # the fix: eight instances, rank r reads shard r (8.9 ms per GET, measured there)
-    "sync, 8 shards": lambda gbps: config("sync", "sharded", 8, SHARDED_GET_S),
-    "async, 8 shards": lambda gbps: config("async", "sharded", 8, SHARDED_GET_S),
+SCENARIOS: dict[str, tuple[str, str, int]] = {
+    SYNC_ONE: ("sync", "sharded", 1),  # the deployed setting of the runaway
+    ASYNC_RANK0: ("async", "rank0", 1),  # LMCache's default async path, the rank-0 store
+    ASYNC_EIGHT: ("async", "sharded", 8),  # the fix: rank r reads shard r, async loading (H4-H5b)
+    SYNC_EIGHT: ("sync", "sharded", 8),  # the same shards, synchronous (H3): the prediction rho ~ 0.09
 }
+
+# A figure the model does not reproduce says which mechanism (or input) it lacks.
+NO_SEND_TIMES = ("the run's original send times (a --trace of them): with Poisson arrivals at the mean 1.2/s and the "
+                 "measured 0.83-0.89 s load, rho is 1.0-1.1 from the first second and the backlog grows from the start")
+STEEP_END = ("a service time that grows with the backlog (83.7 s at 59 in flight is 1.44 s per request ahead; one "
+             "request alone takes 0.92 s): a frozen pod loads one request at a time, so its GETs never compete more")
+GPU_PER_REQUEST = ("GPU work per request of a step (the load path's copies and broadcasts): gpu_step_s comes from one "
+                   "step per request, and the runaway's steps carry several")
+POD_BURSTS = ("the run's original send times, or an engine load path that does not hold the pod: Poisson bursts "
+              "queue behind its 0.27 s per hit (the pod 41% busy)")
 
 
 @dataclass(frozen=True)
 class Figure:
     scenario: str
-    name: str
-    writeup: float | None  # None: a qualitative claim
+    name: str  # the key in figures_of()
+    low: float  # the write-up's value, or the low end of its range
+    high: float
     claim: str  # the write-up's words
     unit: str = "s"
+    calibrates: str = ""  # the default this measurement sets, where it sets one (then not independent)
+    missing: str = ""  # why the model does not reproduce it ("" where it does)
+
+    def within(self, value: float, rel: float = 0.2) -> bool:
+        return (1 - rel) * self.low <= value <= (1 + rel) * self.high
 
 
-FIGURES = (
-    Figure("sync, 1 instance", "median TTFT, first third", 3.5, "median 3.5 s in the first third"),
-    Figure("sync, 1 instance", "median TTFT, second third", 9.0, "9.0 s in the second"),
-    Figure("sync, 1 instance", "median TTFT, last third", 52.5, "52.5 s in the last"),
-    Figure("sync, 1 instance", "p99 TTFT", 83.7, "p99 of 83.7 s"),
-    Figure("sync, 1 instance", "peak in flight", 59, "up to 59 requests in flight", ""),
-    Figure("sync, 1 instance", "GPU busy", 0.07, "GPUs only 7% busy", "share"),
-    Figure("async rank-0, 1 instance", "median TTFT", 3.2, "capped at 3.2-3.8 s (low end)"),
-    Figure("async rank-0, 1 instance", "p99 TTFT", 3.8, "capped at 3.2-3.8 s (high end)"),
-    Figure("async rank-0, 1 instance", "timeout share", 0.49, "49% hit the 3 s async-lookup timeout", "share"),
-    Figure("sync, 8 shards", "shard utilisation", 0.09, "rho ~ 0.09", "share"),
-    Figure("async, 8 shards", "median TTFT", None, "TTFT near recompute (0.31 s; measured ~0.1 s over it)"),
+MEASURED = (
+    Figure(SYNC_ONE, "median TTFT, first third", 3.5, 3.5, "median latency of 3.5 s in the first third",
+           missing=NO_SEND_TIMES),
+    Figure(SYNC_ONE, "median TTFT, second third", 9.0, 9.0, "9.0 s in the second", missing=NO_SEND_TIMES),
+    Figure(SYNC_ONE, "median TTFT, last third", 52.5, 52.5, "52.5 s in the last", missing=STEEP_END),
+    Figure(SYNC_ONE, "p99 TTFT", 83.7, 83.7, "p99 of 83.7 s", missing=STEEP_END),
+    Figure(SYNC_ONE, "peak in flight", 59, 59, "up to 59 requests in flight", unit=""),
+    Figure(SYNC_ONE, "GPU busy", 0.07, 0.07, "GPUs only 7% busy", unit="share", calibrates="gpu_step_s",
+           missing=GPU_PER_REQUEST),
+    Figure(ASYNC_RANK0, "p99 TTFT", 3.2, 3.8, "capped latency at 3.2-3.8 s"),
+    Figure(ASYNC_RANK0, "timeout share", 0.49, 0.49, "49% of requests hit the 3 s async-lookup timeout",
+           unit="share"),
+    Figure(ASYNC_EIGHT, "median TTFT", 0.40, 0.40, "p50 0.40 s", calibrates="engine_load_s_per_chunk"),
+    Figure(ASYNC_EIGHT, "p99 TTFT", 0.67, 0.67, "p99 0.67 s", missing=POD_BURSTS),
+)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    scenario: str
+    name: str
+    value: float
+    claim: str
+    unit: str = ""
+
+
+PREDICTIONS = (
+    Prediction(SYNC_ONE, "offered rho", 1.07, "rho = lambda x T_service ~ 1.2/s x 0.9 s ~ 1.07 > 1"),
+    Prediction(SYNC_EIGHT, "shard utilisation", 0.09, "eight instances: rho ~ 0.09", "share"),
+    Prediction(ASYNC_EIGHT, "hit GETs", 0.074, "the whole 16k prompt arrives in about 74 ms", "s"),
 )
 
 
 def figures_of(result: SimResult) -> dict[str, float]:
-    """Every figure the table compares, from one run."""
+    """Every figure the tables compare, from one run."""
+    outcomes = result.outcomes
     records = [RequestRecord(id=str(i), offset_s=o.arrival.arrival_s, sent_s=o.arrival.arrival_s,
                              first_token_s=o.first_token_s, end_s=o.first_token_s, status="ok")
-               for i, o in enumerate(result.outcomes)]
-    ttfts = [o.ttft_s for o in result.outcomes if o.ttft_s is not None]
+               for i, o in enumerate(outcomes)]
+    ttfts = [o.ttft_s for o in outcomes if o.ttft_s is not None]
     thirds = [[r.ttft_s for r in group] for group in split_by_send_time(records)]
-    events = sorted([(o.arrival.arrival_s, 1) for o in result.outcomes]
-                    + [(o.first_token_s, -1) for o in result.outcomes if o.first_token_s is not None],
-                    key=lambda e: (e[0], e[1]))
+    events = sorted([(o.arrival.arrival_s, 1) for o in outcomes]
+                    + [(o.first_token_s, -1) for o in outcomes if o.first_token_s is not None])
     level = peak = 0
     for _, change in events:
         level += change
         peak = max(peak, level)
+    prefetches = [o.load_s for o in outcomes if o.load_s and not o.timed_out]
     return {
         "median TTFT": percentile(ttfts, 50),
         "p99 TTFT": percentile(ttfts, 99),
@@ -103,48 +134,55 @@ def figures_of(result: SimResult) -> dict[str, float]:
         "GPU busy": result.gpu_busy_fraction(),
         "timeout share": result.timeout_share(),
         "shard utilisation": max(result.shard_utilisation()),
+        "offered rho": REQUESTS / SPAN_S * alone_s(result.config),
+        "hit GETs": statistics.median(prefetches) if prefetches else 0.0,  # async: the prefetch's time
     }
 
 
+def alone_s(config: CellConfig) -> float:
+    """A write-up request's time to first token with nothing else in flight: the pod's service time."""
+    hit = int(PROMPT_TOKENS * HIT_FRACTION) // config.chunk_tokens * config.chunk_tokens
+    return simulate(config, [Arrival(0.0, PROMPT_TOKENS, hit)]).outcomes[0].ttft_s or 0.0
+
+
+def run_scenario(name: str, seeds: int = SEEDS, first_seed: int = 0,
+                 load_s: float = defaults.INSTANCE_LOAD_S[1]) -> list[dict[str, float]]:
+    """The figures of every stream of one scenario."""
+    config = writeup_config(*SCENARIOS[name], load_s=load_s)
+    return [figures_of(simulate(config, poisson_arrivals(REQUESTS, REQUESTS / SPAN_S, PROMPT_TOKENS, HIT_FRACTION,
+                                                         config.chunk_tokens, seed)))
+            for seed in range(first_seed, first_seed + seeds)]
+
+
 @dataclass(frozen=True)
-class Reproduction:
-    figure: Figure
-    median: float  # over the seeds, at the midpoint bandwidth
+class Row:
+    scenario: str
+    name: str
+    median: float  # over the seeds, at the midpoint load
     seed_low: float
     seed_high: float
-    band_low: float  # medians over the seeds at the low and high end of the bandwidth interval
-    band_high: float
-
-    @property
-    def ratio(self) -> float | None:
-        if self.figure.writeup is None:
-            return None
-        return self.median / self.figure.writeup
-
-    @property
-    def within_20pct(self) -> bool | None:
-        ratio = self.ratio
-        return None if ratio is None else 0.8 <= ratio <= 1.2
+    band: tuple[float, float] | None  # medians at the ends of the measured one-instance load (None: not run)
 
 
-def reproduce(seeds: int = 20, first_seed: int = 0) -> list[Reproduction]:
-    """Every figure, over ``seeds`` streams, at the low, mid and high one-instance bandwidth."""
-    runs: dict[tuple[str, float], list[dict[str, float]]] = {}
-    for name, make in SCENARIOS.items():
-        for gbps in INSTANCE_GBPS:
-            runs[(name, gbps)] = [
-                figures_of(simulate(make(gbps), poisson_arrivals(REQUESTS, REQUESTS / SPAN_S, PROMPT_TOKENS,
-                                                                 HIT_FRACTION, 256, seed)))
-                for seed in range(first_seed, first_seed + seeds)
-            ]
-    low, mid, high = INSTANCE_GBPS
-    out = []
-    for figure in FIGURES:
-        values = [run[figure.name] for run in runs[(figure.scenario, mid)]]
-        # the low bandwidth gives the larger latencies: the band is ordered by value
-        ends = sorted(statistics.median(run[figure.name] for run in runs[(figure.scenario, g)]) for g in (low, high))
-        out.append(Reproduction(figure, statistics.median(values), min(values), max(values), ends[0], ends[1]))
-    return out
+def summarise(name: str, runs: dict[float, list[dict[str, float]]], figure: str) -> Row:
+    scenario_runs = runs[defaults.INSTANCE_LOAD_S[1]]
+    values = [run[figure] for run in scenario_runs]
+    ends = [statistics.median(run[figure] for run in runs[s]) for s in (defaults.INSTANCE_LOAD_S[0],
+                                                                        defaults.INSTANCE_LOAD_S[2]) if s in runs]
+    band = (min(ends), max(ends)) if len(ends) == 2 else None
+    return Row(name, figure, statistics.median(values), min(values), max(values), band)
+
+
+def reproduce(seeds: int = SEEDS, first_seed: int = 0, band: bool = True) -> tuple[list[Row], list[Row]]:
+    """(measured rows, prediction rows): every figure over ``seeds`` streams; with ``band`` the one-instance
+    scenarios also run at the ends of the measured load time."""
+    runs: dict[str, dict[float, list[dict[str, float]]]] = {}
+    for name, (_, _, shards) in SCENARIOS.items():
+        loads = defaults.INSTANCE_LOAD_S if band and shards == 1 else (defaults.INSTANCE_LOAD_S[1],)
+        runs[name] = {load: run_scenario(name, seeds, first_seed, load) for load in loads}
+    measured = [summarise(f.scenario, runs[f.scenario], f.name) for f in MEASURED]
+    predicted = [summarise(p.scenario, runs[p.scenario], p.name) for p in PREDICTIONS]
+    return measured, predicted
 
 
 def _value(value: float, unit: str) -> str:
@@ -152,28 +190,39 @@ def _value(value: float, unit: str) -> str:
         return f"{value * 100:.1f}%"
     if unit == "s":
         return f"{value:.2f} s"
-    return f"{value:.0f}"
+    return f"{value:.2f}" if value < 10 else f"{value:.0f}"
 
 
-def format_table(rows: list[Reproduction], seeds: int) -> str:
+def _written(low: float, high: float, unit: str) -> str:
+    return _value(low, unit) if low == high else f"{_value(low, unit)}-{_value(high, unit)}"
+
+
+def format_tables(measured: list[Row], predicted: list[Row], seeds: int) -> str:
+    low, mid, high = defaults.INSTANCE_LOAD_S
     lines = [
-        f"write-up inputs: {REQUESTS} requests of {PROMPT_TOKENS} tokens over {SPAN_S:g} s, {HIT_FRACTION:.1%} "
-        f"in L2, recompute {RECOMPUTE_S} s, one instance {INSTANCE_GBPS[0]}-{INSTANCE_GBPS[2]} GB/s "
-        f"({get_s(INSTANCE_GBPS[2]) * 1e3:.1f}-{get_s(INSTANCE_GBPS[0]) * 1e3:.1f} ms per GET), "
-        f"8 shards at {SHARDED_GET_S * 1e3:g} ms per GET; median of {seeds} Poisson streams",
-        f"| scenario | figure | write-up | simulated (median) | range over streams | at {INSTANCE_GBPS[2]}..."
-        f"{INSTANCE_GBPS[0]} GB/s | sim / write-up | within 20% |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"write-up inputs: {REQUESTS} requests of {PROMPT_TOKENS} tokens over {SPAN_S:g} s (Poisson), "
+        f"{HIT_FRACTION:.1%} in L2, recompute {defaults.RECOMPUTE_S} s, {defaults.GET_MS} ms per 12.4 MB GET, "
+        f"one instance loading a 16k prompt in {low}-{high} s; median of {seeds} Poisson streams",
+        "",
+        f"| scenario | figure | write-up | simulated (median) | range over streams | at {low}...{high} s per load "
+        "| within 20% | sets a default | missing mechanism |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for row in rows:
-        fig = row.figure
-        unit = fig.unit
-        written = fig.claim if fig.writeup is None else _value(fig.writeup, unit)
-        ratio = "-" if row.ratio is None else f"{row.ratio:.2f}"
-        within = "-" if row.within_20pct is None else ("yes" if row.within_20pct else "no")
+    for figure, row in zip(MEASURED, measured, strict=True):
+        unit = figure.unit
+        band = "-" if row.band is None else f"{_value(row.band[0], unit)}-{_value(row.band[1], unit)}"
         lines.append(
-            f"| {fig.scenario} | {fig.name} | {written} | {_value(row.median, unit)} | "
-            f"{_value(row.seed_low, unit)}-{_value(row.seed_high, unit)} | "
-            f"{_value(row.band_low, unit)}-{_value(row.band_high, unit)} | {ratio} | {within} |"
-        )
+            f"| {figure.scenario} | {figure.name} | {_written(figure.low, figure.high, unit)} | "
+            f"{_value(row.median, unit)} | {_value(row.seed_low, unit)}-{_value(row.seed_high, unit)} | {band} | "
+            f"{'yes' if figure.within(row.median) else 'no'} | {figure.calibrates or '-'} | "
+            f"{figure.missing or '-'} |")
+    lines += ["", "predictions (the write-up's arithmetic, not measurements):", "",
+              "| scenario | prediction | write-up | simulated (median) |", "| --- | --- | --- | --- |"]
+    for prediction, row in zip(PREDICTIONS, predicted, strict=True):
+        lines.append(f"| {prediction.scenario} | {prediction.claim} | {_value(prediction.value, prediction.unit)} "
+                     f"| {_value(row.median, prediction.unit)} |")
     return "\n".join(lines)
+
+
+def scenario_config(name: str) -> CellConfig:
+    return writeup_config(*SCENARIOS[name])
