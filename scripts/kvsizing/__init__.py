@@ -2,6 +2,8 @@
 
 geometry.py  a model's KV bytes per token and chunk from its config.json (GLM-5.3's by default), by vLLM's rule
 model.py     the cost model for P pods sharing N shards (pure functions)
-native.py    a bounded GET-bandwidth measurement through LMCache's native RESP client
+measure.py   what every --measure client shares: shard URLs, bounds, errors, the result
+valkey_bench.py  --measure through valkey-py (the ops environment): chunk-sized GETs over a rank's connections
+native.py    --measure-client lmcache: the same through LMCache's native RESP client
 cli.py       the command line (scripts/kv-sizing, or python -m kvsizing from scripts/)
 """

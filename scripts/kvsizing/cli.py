@@ -9,6 +9,7 @@ Examples:
   kv-sizing --kv-cache-dtype fp8_ds_mla ...                   # FLASHMLA_SPARSE's fp8_ds_mla rows
   kv-sizing --model-config /models/GLM-5.3-FP8/config.json ... # another checkpoint's geometry
   kv-sizing --measure resp://valkey-lmcache-0.vllm.svc.cluster.local:6379
+  kv-sizing --measure 'resp://valkey-lmcache-{rank}.vllm.svc.cluster.local:6379'   # all N shards, in turn
   kv-sizing --inputs cell.yaml --measure resp://10.0.3.7:6379 --json
 
 s comes from a model's config.json (--model-config; default GLM-5.3's,
@@ -20,11 +21,13 @@ indexer (index_topk_freq 4, offset 2: 21 of GLM-5.3's 78), 78 x 576 + 21 x 132
 Bandwidths are bytes per second as measured: the write-up's (0.78-0.89 GB/s
 for one instance, 8.9 ms per GET on eight) moved its 12.4 MB chunks, and using
 them for another chunk size assumes a GET's server time scales with its
-bytes; --measure measures with this chunk. Numbers take SI suffixes (k, M,
+bytes; --measure measures with this chunk (valkey-stats measures the
+bandwidth each shard serves under its real load). Numbers take SI suffixes (k, M,
 G = 10**3, 10**6, 10**9; Ki, Mi, Gi = 2**10..) and bytes take B (12.2MB,
 47.7KB); a rate may be written COUNT/SECONDSs (16Ki/0.31s tokens per second,
 450/374s requests per second).
-Exit status: 0 ok, 2 bad or missing input, 3 the measurement failed.
+Exit status: 0 ok, 2 bad or missing input (or the --measure-client cannot be
+imported), 3 the measurement failed.
 """
 from __future__ import annotations
 
@@ -36,7 +39,10 @@ import sys
 from pathlib import Path
 
 from . import geometry
+from .measure import LIMITS, PRODUCTION_CONNECTIONS, ClientMissing, MeasureError, Measurement, expand_urls
 from .model import GB, LOADINGS, InputError, Inputs, evaluate
+
+MEASURE_CLIENTS = ("valkey-py", "lmcache")
 
 FIELDS = {
     # name: (flag, help)
@@ -82,20 +88,41 @@ def parse_number(text, what: str) -> float:
     return float(m.group(1)) * _SUFFIX[m.group(2) or ""]
 
 
-def _load_inputs_file(path: Path) -> dict:
+def _read_inputs_text(path: Path) -> str:
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as e:
         raise InputError(f"--inputs {path}: {e.strerror}") from None
     try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml  # only for YAML input files
+        return data.decode("utf-8-sig")  # a byte order mark is allowed
+    except UnicodeDecodeError as e:
+        raise InputError(f"--inputs {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
+                         ) from None
 
-            data = yaml.safe_load(text)
-    except Exception as e:
-        raise InputError(f"--inputs {path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _parse_inputs_text(path: Path, text: str):
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise InputError(f"--inputs {path}: not valid JSON: {e}") from None
+    try:
+        import yaml  # only for YAML input files
+    except ImportError:
+        raise InputError(f"--inputs {path}: reading YAML needs PyYAML, which this Python cannot import "
+                         "(install scripts/requirements.txt, or give the fields as JSON in a .json file)") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise InputError(f"--inputs {path}: not valid YAML: {_one_line(e)}") from None
+
+
+def _load_inputs_file(path: Path) -> dict:
+    data = _parse_inputs_text(path, _read_inputs_text(path))
     if not isinstance(data, dict):
         raise InputError(f"--inputs {path}: expected a mapping of field: value")
     known = set(FIELDS) | set(OPTIONAL)
@@ -141,14 +168,28 @@ def parser() -> argparse.ArgumentParser:
     cell.add_argument("--lookup-timeout", dest="lookup_timeout_s", metavar="S",
                       help="async lookup timeout, seconds (default 4: lookup_timeout_ms of the preset)")
     cell.add_argument("--target-rho", dest="target_rho", help="tier utilisation to size for (default 0.5)")
-    m = p.add_argument_group("--measure (LMCache's native RESP client)")
-    m.add_argument("--measure", metavar="resp://HOST:PORT", help="measure one instance's GET bandwidth and use it as b")
-    m.add_argument("--measure-seconds", type=float, default=2.0, help="benchmark duration (default 2, max 60)")
-    m.add_argument("--measure-connections", type=int, default=32,
-                   help="native client workers (default 32: resp_num_threads of the preset)")
+    m = p.add_argument_group("--measure: GETs of chunk-sized values (the chunk of s) from running shards")
+    m.add_argument("--measure", metavar="resp://HOST:PORT", action="append",
+                   help="measure an instance's GET bandwidth and time per GET, and use it as b; repeat for more "
+                        "instances, or give a template with {rank} for all N (--shards, default --ranks); they "
+                        "are measured one after another and b is the slowest")
+    m.add_argument("--measure-client", choices=MEASURE_CLIENTS, default="valkey-py",
+                   help="valkey-py (default): the ops environment's client (scripts/requirements.txt), the "
+                        "connections spread over one process per usable core; lmcache: LMCache's native C++ "
+                        "RESP client, which production reads with, one instance per run; it needs "
+                        "LMCache 0.5.5 with its C++ extension (lmcache.lmcache_redis) and torch importable by this "
+                        "Python, as in the serving image")
+    m.add_argument("--measure-seconds", type=float, default=2.0, help="benchmark duration per instance "
+                   f"(default 2, max {LIMITS['seconds']:g})")
+    m.add_argument("--measure-connections", type=int, default=PRODUCTION_CONNECTIONS,
+                   help=f"connections to the instance, one GET in flight on each (default {PRODUCTION_CONNECTIONS}: "
+                        "what one prefill rank opens, the preset's resp_num_threads; P pods loading at once put "
+                        f"P x {PRODUCTION_CONNECTIONS} on a shard)")
     m.add_argument("--measure-keys", type=int, default=32,
-                   help="chunk-sized values, all GET in each round (default 32)")
-    m.add_argument("--measure-max-gets", type=int, default=400, help="stop after this many GETs (default 400)")
+                   help="chunk-sized values written to the instance and read in turn (default 32: 391 MB of "
+                        "12.2 MB chunks; deleted afterwards)")
+    m.add_argument("--measure-max-gets", type=int, default=400,
+                   help="stop after this many GETs per instance (default 400)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -283,15 +324,23 @@ def _gb(x: float) -> str:
     return f"{x / GB:.3f} GB"
 
 
-def report(i: Inputs, source: str, measured=None, chunk_tokens: int = 256) -> str:
+def _bandwidth_source(measured: list[Measurement]) -> str:
+    if not measured:
+        return "given"
+    if len(measured) == 1:
+        return f"measured at {measured[0].url}"
+    return f"measured, the slowest of {len(measured)} instances: {slowest(measured).url}"
+
+
+def report(i: Inputs, source: str, measured: list[Measurement] | None = None, chunk_tokens: int = 256) -> str:
     r = evaluate(i)
     chunk = i.kv_bytes_per_token * chunk_tokens
     lines = ["inputs"]
     lines.append(f"  KV bytes per token s              {i.kv_bytes_per_token:,.1f} B  ({source}; "
                  f"{chunk / 1e6:.2f} MB = {chunk / 2**20:.2f} MiB per {chunk_tokens}-token chunk)")
     lines.append(f"  prefill rate R                    {i.prefill_rate:,.0f} tokens/s")
-    src = f"measured at {measured.url}" if measured else "given"
-    lines.append(f"  per-instance bandwidth b          {i.instance_bandwidth / GB:.3f} GB/s ({src})")
+    lines.append(f"  per-instance bandwidth b          {i.instance_bandwidth / GB:.3f} GB/s "
+                 f"({_bandwidth_source(measured or [])})")
     lines.append(f"  cell                              {i.prefill_pods} prefill pod(s) x {i.ranks} ranks, "
                  f"{i.shards} instance(s) shared by every pod (B = N*b = {_gb(r.aggregate_bandwidth)}/s)")
     timeout = f", lookup timeout {i.lookup_timeout_s:g} s" if i.loading == "async" else ", inside the engine step"
@@ -333,14 +382,59 @@ def report(i: Inputs, source: str, measured=None, chunk_tokens: int = 256) -> st
     return "\n".join(lines)
 
 
-def measurement_text(m) -> str:
+def measurement_text(m: Measurement) -> str:
     bound = ("  CLIENT-BOUND: the client used "
-             f"{m.client_cpu_cores:.2f} of {m.usable_cores} cores; b is a lower bound of the instance's rate"
-             if m.client_bound else "")
+             f"{m.client_cpu_cores:.2f} cores in {m.client_processes} process(es) of {m.usable_cores} usable; "
+             "b is a lower bound of the instance's rate" if m.client_bound else "")
+    seen = (f"round p50 {m.round_p50_ms:.1f} ms, p99 {m.round_p99_ms:.1f} ms" if m.round_p50_ms is not None
+            else f"each GET as its connection saw it: p50 {m.get_p50_ms:.1f} ms, p99 {m.get_p99_ms:.1f} ms")
+    server = (f"; the server's time per GET {m.server_usec_per_get / 1e3:.2f} ms"
+              if m.server_usec_per_get is not None else "")
     return (f"measured {m.url} with {m.client}: {m.bandwidth / GB:.3f} GB/s per instance, "
-            f"{m.gets} GETs of {m.chunk_bytes / 1e6:.2f} MB ({m.keys} in flight) in {m.seconds:.2f} s "
-            f"(round p50 {m.round_p50_ms:.1f} ms, p99 {m.round_p99_ms:.1f} ms); client CPU "
-            f"{m.client_cpu_seconds:.2f} s = {m.client_cpu_cores:.2f} cores of {m.usable_cores}" + bound)
+            f"{m.ms_per_get:.2f} ms per GET of {m.chunk_bytes / 1e6:.2f} MB; "
+            f"{m.gets} GETs ({m.connections} connection(s), {m.keys} key(s)) in {m.seconds:.2f} s ({seen}"
+            f"{server}); client CPU {m.client_cpu_seconds:.2f} s = {m.client_cpu_cores:.2f} cores of "
+            f"{m.usable_cores}" + bound)
+
+
+def slowest(measured: list[Measurement]) -> Measurement:
+    """b of the model: rank r loads its share from instance r, so a prompt's load ends with the slowest."""
+    return min(measured, key=lambda m: m.bandwidth)
+
+
+def run_measurements(args: argparse.Namespace, raw: dict, chunk: int) -> list[Measurement]:
+    """--measure of every instance named, one after another; InputError for bad values, ClientMissing, or
+    MeasureError."""
+    instances = _int(raw.get("shards") or raw.get("ranks", OPTIONAL["ranks"]), "shards")
+    try:
+        urls = expand_urls(args.measure, instances)
+    except ValueError as e:
+        raise InputError(f"--measure: {e}") from None
+    if raw.get("instance_gbps") is not None:
+        raise InputError("give either --instance-gbps or --measure, not both")
+    if chunk > LIMITS["chunk_bytes"]:
+        raise InputError(f"chunk size {chunk} bytes: above Valkey's 512 MB bulk limit")
+    if args.measure_client == "lmcache":
+        if len(urls) > 1:
+            raise InputError("--measure-client lmcache measures one instance per run; give one URL")
+        from .native import measure
+    else:
+        from .valkey_bench import measure
+    measured = []
+    for url in urls:
+        if len(urls) > 1:
+            print(f"kv-sizing: measuring {url} ({len(measured) + 1} of {len(urls)})", file=sys.stderr, flush=True)
+        try:
+            measured.append(measure(url, chunk_bytes=chunk, keys=args.measure_keys,
+                                    connections=args.measure_connections, seconds=args.measure_seconds,
+                                    max_gets=args.measure_max_gets))
+        except ValueError as e:
+            raise InputError(f"--measure: {e}") from None
+    return measured
+
+
+def measurements_json(measured: list[Measurement]) -> dict:
+    return {"measurement": slowest(measured).as_dict(), "measurements": [m.as_dict() for m in measured]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,32 +442,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         raw, given = collect(args)
         s, tokens, source = kv_size(raw)
-        measured = None
+        measured: list[Measurement] = []
         if args.measure:
-            from .native import LIMITS, MeasureError, measure, parse_resp_url
-
             try:
-                parse_resp_url(args.measure)
-            except ValueError as e:
-                raise InputError(f"--measure: {e}") from None
-            if raw.get("instance_gbps") is not None:
-                raise InputError("give either --instance-gbps or --measure, not both")
-            chunk = int(round(s * tokens))
-            if chunk > LIMITS["chunk_bytes"]:
-                raise InputError(f"chunk size {chunk} bytes: above Valkey's 512 MB bulk limit")
-            try:
-                measured = measure(args.measure, chunk_bytes=chunk, keys=args.measure_keys,
-                                   connections=args.measure_connections, seconds=args.measure_seconds,
-                                   max_gets=args.measure_max_gets)
-            except ValueError as e:
-                raise InputError(f"--measure: {e}") from None
+                measured = run_measurements(args, raw, int(round(s * tokens)))
+            except ClientMissing as e:
+                raise InputError(str(e)) from None
             except MeasureError as e:
                 print(f"kv-sizing: error: measurement failed: {e}", file=sys.stderr)
                 return 3
-        if measured is not None and not given:
-            print(json.dumps({"measurement": measured.as_dict()}, indent=2) if args.json else measurement_text(measured))
+        if measured and not given:
+            if args.json:
+                print(json.dumps(measurements_json(measured), indent=2))
+            else:
+                print("\n".join(measurement_text(m) for m in measured))
             return 0
-        inputs = build_inputs(raw, measured.bandwidth if measured else None)
+        inputs = build_inputs(raw, slowest(measured).bandwidth if measured else None)
         result = evaluate(inputs)
     except InputError as e:
         print(f"kv-sizing: error: {e}", file=sys.stderr)
@@ -385,10 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         out = {"inputs": {**inputs.__dict__, "kv_source": source, "chunk_tokens": tokens},
                "results": result.as_dict(), "warnings": warnings}
         if measured:
-            out["measurement"] = measured.as_dict()
+            out.update(measurements_json(measured))
         print(json.dumps(out, indent=2))
     else:
-        if measured:
-            print(measurement_text(measured))
+        for m in measured:
+            print(measurement_text(m))
         print(report(inputs, source, measured, tokens))
     return 0

@@ -17,69 +17,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import time
 import uuid
-from dataclasses import asdict, dataclass
-from urllib.parse import unquote, urlsplit
 
-LIMITS = {"seconds": 60.0, "connections": 256, "keys": 256, "max_gets": 100_000, "chunk_bytes": 512 * 1024 * 1024}
-PRODUCTION_CONNECTIONS = 32  # resp_num_threads in configs/prefill/lmcache.yaml
-CLIENT_BOUND_SHARE = 0.8  # client CPU at this share of the usable cores: the client, not Valkey, is the limit
+from .measure import (
+    PRODUCTION_CONNECTIONS,
+    ClientMissing,
+    Measurement,
+    MeasureError,
+    check_bounds,
+    client_bound,
+    parse_resp_url,
+    percentile,
+    usable_cores,
+)
 
-
-class MeasureError(RuntimeError):
-    """The measurement could not run or could not finish."""
-
-
-@dataclass(frozen=True)
-class Target:
-    host: str
-    port: int
-    username: str
-    password: str
-
-
-def parse_resp_url(url: str) -> Target:
-    parts = urlsplit(url)
-    if parts.scheme not in ("resp", "redis", "valkey") or not parts.hostname:
-        raise ValueError(f"{url!r}: expected resp://HOST:PORT")
-    if "{" in url:
-        raise ValueError(f"{url!r}: a template; give one instance's URL (e.g. rank 0's shard)")
-    try:
-        port = parts.port or 6379
-    except ValueError:
-        raise ValueError(f"{url!r}: bad port") from None
-    return Target(parts.hostname, port, unquote(parts.username or ""), unquote(parts.password or ""))
-
-
-@dataclass
-class Measurement:
-    url: str
-    client: str
-    chunk_bytes: int
-    keys: int
-    connections: int
-    gets: int
-    bytes: int
-    seconds: float  # wall time of the loads
-    bandwidth: float  # bytes/s
-    round_p50_ms: float  # one round = every key GET once, all in flight
-    round_p99_ms: float
-    client_cpu_seconds: float  # the whole client process (its C++ workers included), over the loads
-    client_cpu_cores: float  # client_cpu_seconds / seconds
-    usable_cores: int
-    client_bound: bool
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def _bounded(name: str, value, low) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low <= value <= LIMITS[name]):
-        raise ValueError(f"{name}: expected {low}..{LIMITS[name]}, got {value!r}")
+NEEDS = ("LMCache 0.5.5 with its C++ RESP client (lmcache.lmcache_redis, the distribution's build) and torch, "
+         "importable by this Python: the serving image's")
 
 
 def _import_lmcache():
@@ -96,9 +52,8 @@ def _import_lmcache():
         from lmcache.v1.distributed.l2_adapters import create_l2_adapter
         from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
     except ImportError as e:
-        raise MeasureError(f"--measure drives LMCache's native RESP client, which this interpreter cannot import "
-                           f"({e}); run kv-sizing with the serving image's python (or one with LMCache 0.5.5)"
-                           ) from None
+        raise ClientMissing(f"--measure-client lmcache needs {NEEDS}; this one cannot import it ({e}): run "
+                            "kv-sizing with the serving image's python, or use --measure-client valkey-py") from None
     return (create_l1_memory_desc, make_aligned_tensor, make_memory_objects, make_object_keys, wait_eventfd,
             create_l2_adapter, parse_args_to_l2_adapters_config)
 
@@ -120,11 +75,7 @@ def measure(url: str, chunk_bytes: int, keys: int = PRODUCTION_CONNECTIONS,
             timeout: float = 30.0) -> Measurement:
     """GET bandwidth of one instance with values of chunk_bytes; bounded in time and count."""
     target = parse_resp_url(url)
-    _bounded("chunk_bytes", chunk_bytes, 1)
-    _bounded("keys", keys, 1)
-    _bounded("connections", connections, 1)
-    _bounded("seconds", seconds, 0.05)
-    _bounded("max_gets", max_gets, 1)
+    check_bounds(chunk_bytes=chunk_bytes, keys=keys, connections=connections, seconds=seconds, max_gets=max_gets)
     chunk_bytes, keys, connections, max_gets = int(chunk_bytes), int(keys), int(connections), int(max_gets)
     (l1_desc, aligned, memory_objects, object_keys, wait_eventfd, create_adapter,
      parse_config) = _import_lmcache()
@@ -183,14 +134,14 @@ def measure(url: str, chunk_bytes: int, keys: int = PRODUCTION_CONNECTIONS,
         finally:
             adapter.close()
     ordered = sorted(rounds)
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    cores = cpu / elapsed
+    cores = usable_cores()
+    bandwidth = gets * chunk_bytes / elapsed
     return Measurement(
         url=url, client=f"LMCache native RESP client (lmcache_redis), {connections} workers",
         chunk_bytes=chunk_bytes, keys=keys, connections=connections, gets=gets, bytes=gets * chunk_bytes,
-        seconds=elapsed, bandwidth=gets * chunk_bytes / elapsed, round_p50_ms=statistics.median(ordered) * 1e3,
-        round_p99_ms=ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))] * 1e3,
-        client_cpu_seconds=cpu, client_cpu_cores=cores, usable_cores=usable,
-        client_bound=cores >= CLIENT_BOUND_SHARE * usable,
+        seconds=elapsed, bandwidth=bandwidth, ms_per_get=chunk_bytes / bandwidth * 1e3,
+        get_p50_ms=None, get_p99_ms=None,
+        round_p50_ms=statistics.median(ordered) * 1e3, round_p99_ms=percentile(ordered, 0.99) * 1e3,
+        server_usec_per_get=None, client_cpu_seconds=cpu, client_cpu_cores=cpu / elapsed, usable_cores=cores,
+        client_processes=1, client_bound=client_bound(cpu / elapsed, cores),
     )
-

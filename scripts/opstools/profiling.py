@@ -21,15 +21,21 @@ What vLLM 0.31.0 provides (read in its source):
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .common import OpsError
 
@@ -119,9 +125,20 @@ def shell_line(command: list[str], env: dict[str, str] | None = None) -> str:
 
 # -- the profiling window ------------------------------------------------------
 
-def post_profile_endpoint(base_url: str, name: str, timeout_s: float) -> None:
-    """``POST /start_profile`` or ``/stop_profile``; raises :class:`OpsError` naming the URL."""
-    url = base_url.rstrip("/") + f"/{name}"
+def check_base_url(url: str) -> str:
+    """The engine's base URL, http(s)://HOST[:PORT][/prefix]; raises :class:`OpsError` naming it."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise OpsError(f"--url {url!r}: expected the engine's HTTP base URL, e.g. http://127.0.0.1:8000")
+    try:
+        parts.port
+    except ValueError:
+        raise OpsError(f"--url {url!r}: bad port") from None
+    return url
+
+
+def _post(url: str, timeout_s: float) -> None:
+    """One POST; every way it can fail becomes an :class:`OpsError` naming the URL."""
     request = urllib.request.Request(url, data=b"", method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -132,9 +149,52 @@ def post_profile_endpoint(base_url: str, name: str, timeout_s: float) -> None:
                            f"--profiler-config '{CUDA_PROFILER_CONFIG}'") from None
         raise OpsError(f"{url}: HTTP {exc.code}: {exc.read()[:200]!r}") from None
     except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError):
+            raise OpsError(f"{url}: no answer within {timeout_s:g} s") from None
         raise OpsError(f"{url}: cannot connect: {exc.reason}") from None
     except TimeoutError:
         raise OpsError(f"{url}: no answer within {timeout_s:g} s") from None
+    except http.client.RemoteDisconnected:
+        raise OpsError(f"{url}: the server closed the connection without an HTTP answer; is this the "
+                       "engine's HTTP port?") from None
+    except http.client.HTTPException as exc:
+        raise OpsError(f"{url}: not an HTTP answer ({type(exc).__name__}: {str(exc)[:80]!r}); is this the "
+                       "engine's HTTP port?") from None
+    except OSError as exc:
+        raise OpsError(f"{url}: the connection failed without an HTTP answer ({exc.strerror or exc}); is this "
+                       "the engine's HTTP port?") from None
+
+
+def post_profile_endpoint(base_url: str, name: str, timeout_s: float,
+                          on_wait: Callable[[float], None] | None = None, progress_every_s: float = 2.0) -> None:
+    """``POST /start_profile`` or ``/stop_profile`` within ``timeout_s`` in all; raises :class:`OpsError`
+    naming the URL. While it waits, ``on_wait(seconds waited)`` every ``progress_every_s``."""
+    url = base_url.rstrip("/") + f"/{name}"
+    failure: list[OpsError] = []
+
+    def call() -> None:
+        try:
+            _post(url, timeout_s)
+        except OpsError as exc:
+            failure.append(exc)
+
+    # The socket timeout bounds each read, not the answer: a server that trickles bytes could hold the
+    # call far longer, so the wait is bounded here and the call left to its daemon thread.
+    caller = threading.Thread(target=call, name=f"POST /{name}", daemon=True)
+    started = time.monotonic()
+    caller.start()
+    while True:
+        waited = time.monotonic() - started
+        caller.join(max(0.0, min(progress_every_s, timeout_s - waited)))
+        if not caller.is_alive():
+            break
+        waited = time.monotonic() - started
+        if waited >= timeout_s:
+            raise OpsError(f"{url}: no answer within {timeout_s:g} s")
+        if on_wait is not None:
+            on_wait(waited)
+    if failure:
+        raise failure[0]
 
 
 # -- engine processes and py-spy -----------------------------------------------
@@ -284,13 +344,14 @@ def dump_stacks(
     native: bool = False,
     show_locals: bool = False,
     timeout_s: float = 60.0,
+    suffix: str = "",
 ) -> list[DumpResult]:
-    """One ``py-spy dump`` per process, each written to ``folder/<pid>-<title>.txt``."""
+    """One ``py-spy dump`` per process, each written to ``folder/<pid>-<title><suffix>.txt``."""
     folder.mkdir(parents=True, exist_ok=True)
     results = []
     for process in processes:
         command = pyspy_command(process.pid, pyspy, native, show_locals)
-        path = folder / f"{process.pid}-{_safe_name(process.title.split(' ')[0])}.txt"
+        path = folder / f"{process.pid}-{_safe_name(process.title.split(' ')[0])}{suffix}.txt"
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
             text, code = done.stdout + done.stderr, done.returncode
@@ -304,3 +365,103 @@ def dump_stacks(
         path.write_text(header + text, encoding="utf-8")
         results.append(DumpResult(process, path, code))
     return results
+
+
+def dump_rounds(
+    processes: list[ProcessInfo],
+    folder: Path,
+    pyspy: str = "py-spy",
+    dumps: int = 1,
+    interval_s: float = 1.0,
+    native: bool = False,
+    show_locals: bool = False,
+    on_round: Callable[[int], None] | None = None,
+) -> list[list[DumpResult]]:
+    """``dumps`` rounds of :func:`dump_stacks`, a round starting every ``interval_s`` (or when the previous
+    one ends, if later). One round writes ``<pid>-<title>.txt``; several write ``<pid>-<title>.<k>.txt``.
+    ``on_round(k)`` is called before round k (1-based)."""
+    rounds: list[list[DumpResult]] = []
+    begin = time.monotonic()
+    for k in range(1, dumps + 1):
+        time.sleep(max(0.0, begin + (k - 1) * interval_s - time.monotonic()))
+        if on_round is not None:
+            on_round(k)
+        suffix = f".{k}" if dumps > 1 else ""
+        rounds.append(dump_stacks(processes, folder, pyspy, native, show_locals, suffix=suffix))
+    return rounds
+
+
+# -- threads that did not move across dumps ------------------------------------
+
+_THREAD = re.compile(r'^Thread (?P<id>\S+) \((?P<state>[^)]*)\)(?:: "(?P<name>.*)")?\s*$')
+_FRAME = re.compile(r"^ {4}(?P<frame>[^ ].*?)\s*$")  # deeper lines are --locals' arguments and locals
+_PYTHON_FRAME = re.compile(r"\((?:[^()]*\.py|<[^>]*>):\d+\)$")
+_ADDRESS_FRAME = re.compile(r"^0x[0-9a-fA-F]+ ")
+
+
+@dataclass(frozen=True)
+class ThreadStack:
+    """One thread of one ``py-spy dump``: innermost frame first, as py-spy prints them."""
+
+    thread_id: str
+    name: str
+    state: str  # idle, active, active+gil
+    frames: tuple[str, ...]
+
+    @property
+    def position(self) -> tuple[str, ...]:
+        """What must stay the same for the thread not to have moved: its Python frames (with their lines);
+        a thread without any (native only) by its native frames, without raw addresses."""
+        python = tuple(f for f in self.frames if _PYTHON_FRAME.search(f))
+        return python or tuple(f for f in self.frames if not _ADDRESS_FRAME.match(f))
+
+
+def parse_dump(text: str) -> list[ThreadStack]:
+    """The threads of a ``py-spy dump`` text (our header lines and py-spy's own are skipped)."""
+    threads: list[ThreadStack] = []
+    current: dict | None = None
+    for line in text.splitlines():
+        thread = _THREAD.match(line)
+        if thread:
+            if current is not None:
+                threads.append(ThreadStack(**current))
+            current = {"thread_id": thread["id"], "name": thread["name"] or "", "state": thread["state"],
+                       "frames": ()}
+            continue
+        frame = _FRAME.match(line)
+        if frame and current is not None:
+            current["frames"] += (frame["frame"],)
+    if current is not None:
+        threads.append(ThreadStack(**current))
+    return threads
+
+
+@dataclass(frozen=True)
+class ThreadMotion:
+    """One thread across a process's dumps."""
+
+    thread_id: str
+    name: str
+    states: tuple[str, ...]  # in each dump it appears in
+    seen_in: int  # dumps it appears in
+    dumps: int
+    still: bool  # in every dump, with the same Python stack each time
+    frames: tuple[str, ...]  # its stack in the last dump it appears in
+
+    def label(self) -> str:
+        name = f' "{self.name}"' if self.name else ""
+        return f"Thread {self.thread_id}{name}"
+
+
+def compare_dumps(texts: list[str]) -> list[ThreadMotion]:
+    """Which threads did not move across ``texts`` (one process's dumps, in order): still ones first."""
+    by_thread: dict[str, list[ThreadStack]] = {}
+    for text in texts:
+        for thread in parse_dump(text):
+            by_thread.setdefault(thread.thread_id, []).append(thread)
+    motions = []
+    for thread_id, seen in by_thread.items():
+        still = len(seen) == len(texts) > 1 and len({t.position for t in seen}) == 1
+        motions.append(ThreadMotion(thread_id, seen[-1].name, tuple(t.state for t in seen), len(seen), len(texts),
+                                    still, seen[-1].frames))
+    return sorted(motions, key=lambda m: not m.still)

@@ -36,6 +36,8 @@ class RequestRecord:
     id: str
     offset_s: float
     sent_s: float | None = None  # seconds after the run's start
+    # seconds the request waited for a free slot under --max-concurrency (None without a limit)
+    client_queue_s: float | None = None
     sent_epoch_s: float | None = None
     first_token_s: float | None = None
     end_s: float | None = None
@@ -66,7 +68,10 @@ class RequestRecord:
 
     @property
     def send_lag_s(self) -> float | None:
-        return None if self.sent_s is None else self.sent_s - self.offset_s
+        """How late the client sent the request, not counting a wait for a concurrency slot."""
+        if self.sent_s is None:
+            return None
+        return self.sent_s - self.offset_s - (self.client_queue_s or 0.0)
 
     @property
     def ok(self) -> bool:

@@ -1,12 +1,16 @@
 """Open-loop replay: every request of a stream is sent at its offset by its own task.
 
 A slow server never delays a send: each request waits only for its own
-offset, and the HTTP connection pool has no limit. The run stops early when
-a stream is malformed (the endpoint does not speak the completions stream
-protocol), after ``abort_after_connect_errors`` connection failures in a row
-(the endpoint went away), or on SIGINT/SIGTERM; the requests taken so far
-keep their records, in-flight ones are marked ``aborted`` and the rest
-``not_sent``.
+offset, and the HTTP connection pool has no limit. With ``max_concurrency``
+a request that finds that many in flight waits for one to end (its wait is
+its client queue time): the run is then closed at that level, no longer open
+loop. The run stops early when a stream is malformed (the endpoint does not
+speak the completions stream protocol), after ``abort_after_connect_errors``
+connection failures in a row (the endpoint went away), after
+``abort_after_errors`` failures of the same kind in a row (the endpoint
+refuses every request, e.g. HTTP 404 from a wrong path), or on
+SIGINT/SIGTERM; the requests taken so far keep their records, in-flight ones
+are marked ``aborted`` and the rest ``not_sent``.
 """
 from __future__ import annotations
 
@@ -17,14 +21,32 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from .common import OpsError
 from .completions import stream_completion
-from .records import CONNECT_ERROR, MALFORMED, RequestRecord
+from .records import CONNECT_ERROR, DISCONNECTED, HTTP_ERROR, MALFORMED, NO_TOKEN, STREAM_ERROR, RequestRecord
 from .stats import Distribution
 from .stream import StreamRequest
+
+
+# a request's body (and a trace line's prompt text) is built this long before its send time
+PREPARE_AHEAD_S = 0.5
+
+
+def base_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be an engine's base URL, or None."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return f"--url {url}: expected the engine's base URL, e.g. http://127.0.0.1:8000"
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        base = f"{parts.scheme}://{parts.netloc}{path[: -len('/v1')]}"
+        return (f"--url {url} ends in /v1: give the server's base URL ({base}); replay adds "
+                "/v1/completions and /v1/models itself")
+    return None
 
 
 @dataclass
@@ -34,6 +56,8 @@ class ReplayConfig:
     request_timeout_s: float = 3600.0
     connect_timeout_s: float = 10.0
     abort_after_connect_errors: int = 5
+    abort_after_errors: int | None = 20  # failures of one kind in a row; None never stops
+    max_concurrency: int | None = None  # None: open loop
     extra_body: dict[str, Any] = field(default_factory=dict)
     progress_interval_s: float = 5.0
 
@@ -84,6 +108,9 @@ async def resolve_model(session: aiohttp.ClientSession, base_url: str, model: st
         raise OpsError(f"{url}: {exc!r}") from None
     if model:
         return model
+    if status == 404:
+        raise OpsError(f"{url} answered HTTP 404; pass --model NAME if this is a front end without GET "
+                       "/v1/models (vLLM's P/D toy proxy), else check that --url is the server's base URL")
     if status != 200:
         raise OpsError(f"{url} answered HTTP {status}; pass --model to name the served model")
     try:
@@ -95,6 +122,26 @@ async def resolve_model(session: aiohttp.ClientSession, base_url: str, model: st
     return models[0]
 
 
+def failure_kind(record: RequestRecord) -> str | None:
+    """What a failure that counts toward ``abort_after_errors`` is, e.g. ``HTTP 404``; None otherwise."""
+    if record.status == HTTP_ERROR:
+        return f"HTTP {record.http_status}"
+    if record.status == STREAM_ERROR:
+        return "a server error event"
+    if record.status == NO_TOKEN:
+        return "a stream without a token"
+    if record.status == DISCONNECTED:
+        return "a broken connection"
+    return None
+
+
+def _repeated_failure_hint(kind: str, completions_url: str) -> str:
+    if kind in ("HTTP 404", "HTTP 405"):
+        return (f"; nothing answers POST {completions_url}: --url must be the server's base URL, "
+                "replay adds /v1/completions")
+    return ""
+
+
 class _RunState:
     def __init__(self, requests_total: int) -> None:
         self.requests_total = requests_total
@@ -102,8 +149,11 @@ class _RunState:
         self.done = 0
         self.failed = 0
         self.in_flight = 0
+        self.queued = 0
         self.peak_in_flight = 0
         self.connect_errors_in_a_row = 0
+        self.failure_kind: str | None = None
+        self.same_failures_in_a_row = 0
         self.abort_reason: str | None = None
         self.interrupted = False
         self.abort_event = asyncio.Event()
@@ -113,6 +163,22 @@ class _RunState:
         if self.abort_reason is None:
             self.abort_reason = reason
         self.abort_event.set()
+
+    def count_failure(self, kind: str | None) -> int:
+        """Track failures of one kind in a row; returns how many in a row ``kind`` has now."""
+        if kind is None:
+            self.failure_kind, self.same_failures_in_a_row = None, 0
+        elif kind == self.failure_kind:
+            self.same_failures_in_a_row += 1
+        else:
+            self.failure_kind, self.same_failures_in_a_row = kind, 1
+        return self.same_failures_in_a_row
+
+
+async def _sleep_until(moment: float) -> None:
+    delay = moment - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
 
 
 async def run_replay(
@@ -131,13 +197,32 @@ async def run_replay(
         start = time.monotonic()
         started_epoch = time.time()
 
-        async def send(request: StreamRequest, record: RequestRecord) -> None:
-            delay = start + request.offset_s - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+
+        async def send_one(request: StreamRequest, record: RequestRecord) -> None:
+            await _sleep_until(start + request.offset_s - PREPARE_AHEAD_S)
             if state.abort_event.is_set():
                 return
             body = completion_body(request, model, config.extra_body)
+            await _sleep_until(start + request.offset_s)
+            if state.abort_event.is_set():
+                return
+            if slots is None:
+                await exchange(body, record)
+                return
+            state.queued += 1
+            waiting_since = time.monotonic()
+            try:
+                await slots.acquire()
+            finally:
+                state.queued -= 1
+            record.client_queue_s = time.monotonic() - waiting_since
+            try:
+                await exchange(body, record)
+            finally:
+                slots.release()
+
+        async def exchange(body: dict[str, Any], record: RequestRecord) -> None:
             state.sent += 1
             state.in_flight += 1
             state.peak_in_flight = max(state.peak_in_flight, state.in_flight)
@@ -148,6 +233,9 @@ async def run_replay(
             finally:
                 state.in_flight -= 1
                 state.done += 1
+            judge(record)
+
+        def judge(record: RequestRecord) -> None:
             if not record.ok:
                 state.failed += 1
             elif record.ttft_s is not None:
@@ -161,8 +249,14 @@ async def run_replay(
                         f"{state.connect_errors_in_a_row} connection failures in a row, "
                         f"the endpoint stopped answering: {record.error}"
                     )
+                return
             else:
                 state.connect_errors_in_a_row = 0
+            kind = failure_kind(record)
+            in_a_row = state.count_failure(kind)
+            if kind is not None and config.abort_after_errors is not None and in_a_row >= config.abort_after_errors:
+                state.abort(f"{in_a_row} requests in a row failed with {kind} (last: {record.error})"
+                            + _repeated_failure_hint(kind, config.completions_url))
 
         async def report() -> None:
             while True:
@@ -172,9 +266,10 @@ async def run_replay(
                 recent = Distribution.of(state.recent_ttft)
                 state.recent_ttft = []
                 ttft = f"TTFT p50 {recent.p50:.2f} s over the last {recent.count}" if recent.count else "no TTFT yet"
+                queued = f"  queued {state.queued}" if slots is not None else ""
                 progress(
                     f"[{time.monotonic() - start:7.1f} s] sent {state.sent}/{state.requests_total}"
-                    f"  done {state.done}  in flight {state.in_flight}  failed {state.failed}  {ttft}"
+                    f"  done {state.done}  in flight {state.in_flight}{queued}  failed {state.failed}  {ttft}"
                 )
 
         def on_signal(name: str) -> None:
@@ -189,7 +284,7 @@ async def run_replay(
             except (NotImplementedError, RuntimeError, ValueError):
                 pass  # not the main thread (tests) or no signal support
 
-        tasks = [asyncio.create_task(send(r, rec)) for r, rec in zip(requests, records)]
+        tasks = [asyncio.create_task(send_one(r, rec)) for r, rec in zip(requests, records)]
         reporter = asyncio.create_task(report())
         aborter = asyncio.create_task(state.abort_event.wait())
         try:

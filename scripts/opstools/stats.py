@@ -19,10 +19,18 @@ the node count is given. Goodput counts the successful requests within every
 SLO given (``ttft``, ``tpot``, ``e2el``, milliseconds, as ``vllm bench serve
 --goodput``). Send lag is how late the client sent each request against its
 offset: a p99 above a fraction of a second means the client, not the server,
-shaped the load.
+shaped the load. Under ``--max-concurrency`` the wait for a free slot is the
+client queue time (``vllm bench serve``'s ``client_queue_time``), kept apart
+from the send lag. Request throughput is the successful requests over the
+same span as the output tokens/s.
+
+:data:`PERCENTILE_METRICS` are the names ``vllm bench serve
+--percentile-metrics`` takes; :func:`metric_values` gives each one's values
+(seconds, successful requests only, as vLLM computes them).
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,20 +43,30 @@ GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 
 THIRD_NAMES = ("first third", "second third", "last third")
 
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el", "client_queue_time", "e2el_including_client_queue")
+DEFAULT_PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 
-def percentile(values: Sequence[float], q: int) -> float:
-    """The ``q``-th percentile (whole number 0..100) of ``values``, linear interpolation."""
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100, fractions allowed) of ``values``, linear interpolation."""
     if not values:
         raise ValueError("percentile of no values")
-    if not (isinstance(q, int) and 0 <= q <= 100):
-        raise ValueError(f"percentile rank must be a whole number in [0, 100], got {q!r}")
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:
+        raise ValueError(f"percentile rank must be a number in [0, 100], got {q!r}")
     if len(values) == 1:
         return values[0]
     if q == 0:
         return min(values)
     if q == 100:
         return max(values)
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+    if q == int(q):
+        return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+    data = sorted(values)
+    rank = (len(data) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (rank - low)
 
 
 @dataclass(frozen=True)
@@ -173,6 +191,45 @@ def is_good(record: RequestRecord, slo_ms: dict[str, float]) -> bool:
     return True
 
 
+def metric_values(records: Sequence[RequestRecord], metric: str) -> list[float]:
+    """Seconds of one of :data:`PERCENTILE_METRICS` over the successful requests."""
+    ok = [r for r in records if r.ok]
+    if metric == "ttft":
+        return [r.ttft_s for r in ok if r.ttft_s is not None]
+    if metric == "tpot":
+        return [v for r in ok if (v := tpot_s(r)) is not None]
+    if metric == "itl":
+        return [gap for r in ok for gap in inter_token_latencies(r)]
+    if metric == "e2el":
+        return [r.e2e_s for r in ok if r.e2e_s is not None]
+    if metric == "client_queue_time":
+        return [r.client_queue_s or 0.0 for r in ok]
+    if metric == "e2el_including_client_queue":
+        return [r.e2e_s + (r.client_queue_s or 0.0) for r in ok if r.e2e_s is not None]
+    raise ValueError(f"unknown metric {metric!r}; known: {', '.join(PERCENTILE_METRICS)}")
+
+
+def percentile_key(q: float) -> str:
+    """``99`` -> ``p99``, ``99.9`` -> ``p99.9`` (``vllm bench serve``'s spelling)."""
+    return f"p{int(q)}" if q == int(q) else f"p{q}"
+
+
+def metric_statistics(values: Sequence[float], percentiles: Sequence[float]) -> dict[str, float | None]:
+    """mean, median, std (population) and the percentiles of seconds, in milliseconds; None for no values."""
+    names = ["mean", "median", "std", *(percentile_key(q) for q in percentiles)]
+    if not values:
+        return dict.fromkeys(names)
+    mean = sum(values) / len(values)
+    stats: dict[str, float | None] = {
+        "mean": mean * 1000,
+        "median": percentile(values, 50) * 1000,
+        "std": math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) * 1000,
+    }
+    for q in percentiles:
+        stats[percentile_key(q)] = percentile(values, q) * 1000
+    return stats
+
+
 @dataclass
 class Throughput:
     span_s: float
@@ -186,6 +243,7 @@ class Throughput:
     goodput_slo_ms: dict[str, float]
     good_requests: int | None
     goodput_per_s: float | None
+    requests_per_s: float = 0.0  # successful requests over the span
 
 
 @dataclass
@@ -207,6 +265,10 @@ class ReplaySummary:
     send_lag: Distribution
     send_lag_warning: str | None = None
     failures_by_status: dict[str, int] = field(default_factory=dict)
+    client_queue: Distribution = field(default_factory=lambda: Distribution(count=0))
+    percentiles: list[float] = field(default_factory=lambda: list(DEFAULT_PERCENTILES))
+    # per metric of --percentile-metrics, and "send_lag": count and metric_statistics, in ms
+    latency_ms: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
     @property
     def with_ttft(self) -> int:
@@ -225,6 +287,8 @@ def summarize(
     nodes: int | None = None,
     goodput_slo_ms: dict[str, float] | None = None,
     send_lag_warn_s: float = SEND_LAG_WARN_S,
+    percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+    percentile_metrics: Sequence[str] = DEFAULT_PERCENTILE_METRICS,
 ) -> ReplaySummary:
     """Summary over every request of the stream (not-sent ones count as failures).
 
@@ -263,8 +327,15 @@ def summarize(
         goodput_slo_ms=slo,
         good_requests=good,
         goodput_per_s=(good / span if span > 0 else 0.0) if good is not None else None,
+        requests_per_s=len(ok_records) / span if span > 0 else 0.0,
     )
-    lag = Distribution.of(v for r in sent if (v := r.send_lag_s) is not None)
+    lags = [v for r in sent if (v := r.send_lag_s) is not None]
+    lag = Distribution.of(lags)
+    latency_ms: dict[str, dict[str, float | None]] = {}
+    for metric in percentile_metrics:
+        values = metric_values(records, metric)
+        latency_ms[metric] = {"count": len(values), **metric_statistics(values, percentiles)}
+    latency_ms["send_lag"] = {"count": len(lags), **metric_statistics(lags, percentiles)}
     warning = None
     if lag.p99 is not None and lag.p99 > send_lag_warn_s:
         warning = (f"the client fell behind: send lag p99 {lag.p99:.3f} s (max {lag.max:.3f} s) > "
@@ -288,4 +359,7 @@ def summarize(
         send_lag=lag,
         send_lag_warning=warning,
         failures_by_status=failures,
+        client_queue=Distribution.of(r.client_queue_s for r in sent if r.client_queue_s is not None),
+        percentiles=list(percentiles),
+        latency_ms=latency_ms,
     )

@@ -22,17 +22,21 @@ Fields:
 
 Any other key is ignored (the generator adds ``approx_prompt_tokens`` and
 ``reuses`` for reference), so production logs can carry their own fields.
+
+Traces in other formats (Mooncake, AIPerf's fixed schedule) are read by the
+``trace_*`` modules into the same :class:`StreamRequest`.
 """
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from .common import OpsError
+from .trace_prompts import SyntheticPrompt
 
 
 @dataclass(frozen=True)
@@ -42,10 +46,13 @@ class StreamRequest:
     max_tokens: int
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    synthetic: SyntheticPrompt | None = None  # a trace line's lengths and hash ids, built at send time
 
     def completion_prompt(self) -> str | list[int]:
         if self.prompt is not None:
             return self.prompt
+        if self.synthetic is not None:
+            return self.synthetic.text()
         assert self.prompt_token_ids is not None
         return list(self.prompt_token_ids)
 
@@ -60,7 +67,8 @@ def parse_request(obj: Any, where: str, default_id: str) -> StreamRequest:
         raise OpsError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     offset = obj.get("offset_s")
     if offset is None:
-        raise OpsError(f"{where}: missing 'offset_s' (seconds after the start to send this request)")
+        hint = "; a trace line? pass --format mooncake or --format aiperf" if "timestamp" in obj else ""
+        raise OpsError(f"{where}: missing 'offset_s' (seconds after the start to send this request){hint}")
     if not _is_number(offset) or offset < 0:
         raise OpsError(f"{where}: 'offset_s' must be a number >= 0, got {offset!r}")
     max_tokens = obj.get("max_tokens")
@@ -99,43 +107,77 @@ def parse_request(obj: Any, where: str, default_id: str) -> StreamRequest:
     )
 
 
-def read_stream(path: Path) -> list[StreamRequest]:
-    """Read and validate a stream file; the result is sorted by offset (stable)."""
+def read_jsonl_objects(path: Path, what: str) -> Iterator[tuple[int, Any]]:
+    """``(line number, decoded JSON)`` of every non-blank line of a UTF-8 JSONL file.
+
+    ``what`` names the file in errors (``stream``, ``trace``); a line that is
+    not JSON is named by file and line.
+    """
     try:
         handle = path.open("r", encoding="utf-8")
     except OSError as exc:
-        raise OpsError(f"stream {path}: cannot open: {exc.strerror or exc}") from exc
-    requests: list[StreamRequest] = []
-    seen: dict[str, int] = {}
+        raise OpsError(f"{what} {path}: cannot open: {exc.strerror or exc}") from exc
     with handle:
         try:
             for line_no, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
-                where = f"{path}:{line_no}"
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise OpsError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-                request = parse_request(obj, where, default_id=f"line{line_no}")
-                if request.id in seen:
-                    raise OpsError(f"{where}: id {request.id!r} already used on line {seen[request.id]}")
-                seen[request.id] = line_no
-                requests.append(request)
+                    raise OpsError(f"{path}:{line_no}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                yield line_no, obj
         except UnicodeDecodeError as exc:
-            raise OpsError(f"stream {path}: not UTF-8 text ({exc.reason})") from None
+            raise OpsError(f"{what} {path}: not UTF-8 text ({exc.reason})") from None
+
+
+def read_stream(path: Path) -> list[StreamRequest]:
+    """Read and validate a stream file; the result is sorted by offset (stable)."""
+    requests: list[StreamRequest] = []
+    seen: dict[str, int] = {}
+    for line_no, obj in read_jsonl_objects(path, "stream"):
+        where = f"{path}:{line_no}"
+        request = parse_request(obj, where, default_id=f"line{line_no}")
+        if request.id in seen:
+            raise OpsError(f"{where}: id {request.id!r} already used on line {seen[request.id]}")
+        seen[request.id] = line_no
+        requests.append(request)
     if not requests:
         raise OpsError(f"stream {path}: no requests in it")
     requests.sort(key=lambda r: r.offset_s)
     return requests
 
 
+def mean_rate(offsets: Sequence[float]) -> float:
+    """Arrivals per second between the first and the last send time (inf when they are equal)."""
+    if len(offsets) < 2:
+        return math.inf
+    span = max(offsets) - min(offsets)
+    return (len(offsets) - 1) / span if span > 0 else math.inf
+
+
+def at_rate(requests: Sequence[StreamRequest], rate: float) -> list[StreamRequest]:
+    """The requests with their gaps scaled so the mean arrival rate is ``rate`` (inf: all at the first offset).
+
+    The pattern of the arrivals (bursts, lulls) is kept; only time is stretched or squeezed.
+    """
+    first = min(r.offset_s for r in requests)
+    if math.isinf(rate):
+        return [replace(r, offset_s=first) for r in requests]
+    native = mean_rate([r.offset_s for r in requests])
+    if math.isinf(native):
+        raise OpsError("--request-rate: the stream sends everything at one time, so it has no rate to scale; "
+                       "it needs two or more distinct send times")
+    factor = native / rate
+    return [replace(r, offset_s=first + (r.offset_s - first) * factor) for r in requests]
+
+
 def request_to_json(request: StreamRequest, extra: dict[str, Any] | None = None) -> str:
     obj: dict[str, Any] = {"id": request.id, "offset_s": round(request.offset_s, 6)}
-    if request.prompt is not None:
-        obj["prompt"] = request.prompt
+    if request.prompt_token_ids is not None:
+        obj["prompt_token_ids"] = list(request.prompt_token_ids)
     else:
-        obj["prompt_token_ids"] = list(request.prompt_token_ids or ())
+        obj["prompt"] = request.completion_prompt()
     obj["max_tokens"] = request.max_tokens
     if extra:
         obj.update(extra)

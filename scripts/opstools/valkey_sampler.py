@@ -1,7 +1,8 @@
 """Samples Valkey's server-side statistics from every shard, per interval.
 
-Each sample is one ``INFO commandstats cpu stats memory`` call per shard (one
-round trip, so the counters, CPU times and memory are from the same instant),
+Each sample is one ``INFO commandstats cpu stats memory clients latencystats
+errorstats`` call per shard (one round trip, so the counters, CPU times and
+memory are from the same instant),
 taken from all shards at once. Between two samples of a shard the sampler
 reports, for each of GET, SET, EXISTS and MGET (the commands LMCache's RESP
 client sends: loads, stores, lookups):
@@ -33,6 +34,29 @@ and for the shard:
     evicted chunk after its EXISTS said it was there is a miss).
 ``used_memory_bytes``, ``maxmemory_bytes``
     INFO memory at the end of the interval (gauges, not deltas).
+``net_input_bytes``, ``net_output_bytes`` (and per second)
+    deltas of INFO stats ``total_net_input_bytes`` / ``total_net_output_bytes``:
+    every byte the shard read from and wrote to its clients (replication
+    traffic is counted apart by Valkey and not included). Deltas over the
+    interval, not ``instantaneous_*``, which Valkey averages over its own
+    last 1.6 s whatever the interval. Output bytes per second is the
+    bandwidth b the shard served, the cost model's b (kv-sizing).
+``<cmd>_rejected_calls``, ``rejected_calls``, ``failed_calls``
+    deltas of ``cmdstat_*`` ``rejected_calls`` (refused before running: wrong
+    arity, OOM under ``noeviction``, ...) and ``failed_calls`` (ran and
+    replied an error), per command of the four and summed over every command.
+``error_replies``, ``errors``
+    deltas of INFO errorstats: error replies of any kind, and per error
+    prefix (``ERR``, ``OOM``, ``WRONGTYPE``...).
+``connected_clients``, ``rejected_connections``
+    INFO clients at the end of the interval (a gauge), and connections
+    refused at ``maxclients`` (a delta).
+``<cmd>_p50_usec``, ``<cmd>_p99_usec``, ``<cmd>_p99_9_usec``
+    INFO latencystats ``latency_percentiles_usec_<cmd>`` at the end of the
+    interval. Valkey keeps one latency histogram per command since its
+    start (or ``CONFIG RESETSTAT``): these are lifetime percentiles, read as
+    gauges, not percentiles of the interval. None where latency tracking is
+    off or the command was never called.
 
 A counter that goes down (restart, ``CONFIG RESETSTAT``) starts a new
 baseline: that interval is reported with ``error = "counters reset"``.
@@ -52,8 +76,10 @@ from .common import OpsError
 SCHEMES = {"resp": False, "redis": False, "valkey": False, "tcp": False, "rediss": True, "valkeys": True}
 DEFAULT_PORT = 6379
 COMMANDS = ("get", "set", "exists", "mget")
-INFO_SECTIONS = ("commandstats", "cpu", "stats", "memory")
-_COUNTERS = ("evicted_keys", "keyspace_hits", "keyspace_misses")
+INFO_SECTIONS = ("commandstats", "cpu", "stats", "memory", "clients", "latencystats", "errorstats")
+_COUNTERS = ("evicted_keys", "keyspace_hits", "keyspace_misses", "net_input_bytes", "net_output_bytes",
+             "rejected_calls", "failed_calls", "error_replies", "rejected_connections")
+PERCENTILES = ("p50", "p99", "p99.9")  # Valkey's default latency-tracking-info-percentiles
 
 
 @dataclass(frozen=True)
@@ -131,6 +157,16 @@ class ServerSample:
     keyspace_misses: int = 0
     used_memory: int = 0
     maxmemory: int = 0
+    net_input_bytes: int = 0
+    net_output_bytes: int = 0
+    rejected: Mapping[str, int] = field(default_factory=dict)  # per command of COMMANDS
+    rejected_calls: int = 0  # every command
+    failed_calls: int = 0  # every command
+    errors: Mapping[str, int] = field(default_factory=dict)  # error replies per prefix (errorstats)
+    error_replies: int = 0
+    rejected_connections: int = 0
+    connected_clients: int | None = None
+    latency_usec: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # per command: PERCENTILES
 
 
 def _int(info: Mapping[str, Any], key: str) -> int:
@@ -140,24 +176,46 @@ def _int(info: Mapping[str, Any], key: str) -> int:
         return 0
 
 
+def _errors(info: Mapping[str, Any]) -> dict[str, int]:
+    """``errorstat_<PREFIX>:count=N`` lines: error replies per prefix."""
+    return {key[len("errorstat_"):]: int(value.get("count", 0)) for key, value in info.items()
+            if key.startswith("errorstat_") and isinstance(value, Mapping)}
+
+
+def _latency(info: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """``latency_percentiles_usec_<cmd>:p50=..,p99=..,p99.9=..`` of the four commands."""
+    found = {}
+    for name in COMMANDS:
+        value = info.get(f"latency_percentiles_usec_{name}")
+        if isinstance(value, Mapping):
+            found[name] = {p: float(value[p]) for p in PERCENTILES if p in value}
+    return found
+
+
 def sample_from_info(info: Mapping[str, Any], at_s: float, epoch_s: float) -> ServerSample:
     """Turn a parsed ``INFO commandstats cpu stats memory`` answer into a sample."""
     calls: dict[str, int] = {}
     usec: dict[str, int] = {}
-    total_usec = other = 0
+    rejected: dict[str, int] = {}
+    total_usec = other = total_rejected = total_failed = 0
     for key, value in info.items():
         if not key.startswith("cmdstat_") or not isinstance(value, Mapping):
             continue
         name = key[len("cmdstat_"):]
         total_usec += int(value.get("usec", 0))
+        total_rejected += int(value.get("rejected_calls", 0))
+        total_failed += int(value.get("failed_calls", 0))
         if name in COMMANDS:
             calls[name] = int(value.get("calls", 0))
             usec[name] = int(value.get("usec", 0))
+            rejected[name] = int(value.get("rejected_calls", 0))
         elif name != "info":
             other += int(value.get("calls", 0))
     for name in COMMANDS:  # a command never sent has no cmdstat line
         calls.setdefault(name, 0)
         usec.setdefault(name, 0)
+        rejected.setdefault(name, 0)
+    errors = _errors(info)
     if "used_cpu_user_main_thread" in info and "used_cpu_sys_main_thread" in info:
         cpu = float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
         source = "main_thread"
@@ -169,7 +227,16 @@ def sample_from_info(info: Mapping[str, Any], at_s: float, epoch_s: float) -> Se
     return ServerSample(at_s, epoch_s, calls, usec, total_usec, other, cpu, source,
                         evicted_keys=_int(info, "evicted_keys"), keyspace_hits=_int(info, "keyspace_hits"),
                         keyspace_misses=_int(info, "keyspace_misses"), used_memory=_int(info, "used_memory"),
-                        maxmemory=_int(info, "maxmemory"))
+                        maxmemory=_int(info, "maxmemory"),
+                        net_input_bytes=_int(info, "total_net_input_bytes"),
+                        net_output_bytes=_int(info, "total_net_output_bytes"),
+                        rejected=rejected, rejected_calls=total_rejected, failed_calls=total_failed,
+                        errors=errors,
+                        error_replies=(_int(info, "total_error_replies") if "total_error_replies" in info
+                                       else sum(errors.values())),
+                        rejected_connections=_int(info, "rejected_connections"),
+                        connected_clients=_int(info, "connected_clients") if "connected_clients" in info else None,
+                        latency_usec=_latency(info))
 
 
 @dataclass(frozen=True)
@@ -178,6 +245,8 @@ class CommandInterval:
     calls_per_s: float = 0.0
     usec_per_call: float | None = None
     busy_pct: float = 0.0
+    rejected_calls: int = 0
+    latency_usec: Mapping[str, float] = field(default_factory=dict)  # lifetime PERCENTILES at the interval's end
 
 
 _IDLE = CommandInterval()
@@ -200,11 +269,28 @@ class IntervalStats:
     keyspace_misses: int = 0
     used_memory_bytes: int | None = None
     maxmemory_bytes: int | None = None
+    net_input_bytes: int = 0
+    net_output_bytes: int = 0
+    rejected_calls: int = 0
+    failed_calls: int = 0
+    error_replies: int = 0
+    errors: Mapping[str, int] = field(default_factory=dict)  # error replies per prefix, those that occurred
+    rejected_connections: int = 0
+    connected_clients: int | None = None
     error: str = ""
 
     @property
     def interval_s(self) -> float:
         return self.end_s - self.start_s
+
+    @property
+    def net_in_bytes_per_s(self) -> float:
+        return self.per_s(self.net_input_bytes)
+
+    @property
+    def net_out_bytes_per_s(self) -> float:
+        """The bandwidth this shard served in the interval: the cost model's b, as loaded."""
+        return self.per_s(self.net_output_bytes)
 
     def command(self, name: str) -> CommandInterval:
         return self.commands.get(name, _IDLE)
@@ -238,13 +324,17 @@ def interval_between(target: ShardTarget, before: ServerSample, after: ServerSam
     cpu = after.cpu_s - before.cpu_s
     other = after.other_calls - before.other_calls
     counters = {name: getattr(after, name) - getattr(before, name) for name in _COUNTERS}
+    rejected = {name: after.rejected.get(name, 0) - before.rejected.get(name, 0) for name in COMMANDS}
+    errors = {prefix: count - before.errors.get(prefix, 0) for prefix, count in after.errors.items()}
     if (elapsed <= 0 or cpu < 0 or other < 0 or total_usec < 0 or any(v < 0 for v in counters.values())
-            or any(c < 0 or u < 0 for c, u in deltas.values())):
+            or any(c < 0 or u < 0 for c, u in deltas.values()) or any(v < 0 for v in rejected.values())
+            or any(v < 0 for v in errors.values()) or not set(before.errors) <= set(after.errors)):
         return IntervalStats(target.rank, target.url, before.at_s, after.at_s, after.epoch_s,
                              cpu_source=after.cpu_source, error="counters reset")
     commands = {
         name: CommandInterval(calls=c, calls_per_s=c / elapsed, usec_per_call=u / c if c else None,
-                              busy_pct=100.0 * u / 1e6 / elapsed)
+                              busy_pct=100.0 * u / 1e6 / elapsed, rejected_calls=rejected[name],
+                              latency_usec=after.latency_usec.get(name, {}))
         for name, (c, u) in deltas.items()
     }
     return IntervalStats(
@@ -260,6 +350,8 @@ def interval_between(target: ShardTarget, before: ServerSample, after: ServerSam
         cpu_source=after.cpu_source,
         used_memory_bytes=after.used_memory,
         maxmemory_bytes=after.maxmemory,
+        errors={prefix: n for prefix, n in errors.items() if n},
+        connected_clients=after.connected_clients,
         **counters,
     )
 
@@ -372,6 +464,8 @@ class CommandSummary:
     usec_per_call: float | None
     mean_busy_pct: float
     max_busy_pct: float
+    rejected_calls: int = 0
+    latency_usec: dict[str, float] = field(default_factory=dict)  # lifetime PERCENTILES at the last sample
 
 
 @dataclass(frozen=True)
@@ -391,6 +485,18 @@ class ShardSummary:
     max_used_memory_bytes: int | None
     maxmemory_bytes: int | None
     failed_intervals: int
+    net_input_bytes: int = 0
+    net_output_bytes: int = 0
+    mean_net_in_bytes_per_s: float = 0.0
+    mean_net_out_bytes_per_s: float = 0.0  # b as served over the whole run
+    max_net_out_bytes_per_s: float = 0.0  # b in the busiest interval
+    rejected_calls: int = 0
+    failed_calls: int = 0
+    error_replies: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    rejected_connections: int = 0
+    last_connected_clients: int | None = None
+    max_connected_clients: int | None = None
 
     @property
     def get_calls(self) -> int:
@@ -417,8 +523,17 @@ def summarize_shards(targets: list[ShardTarget], intervals: list[IntervalStats])
                 usec_per_call=usec / calls if calls else None,
                 mean_busy_pct=_weighted(good, lambda i, n=name: i.command(n).busy_pct, elapsed),
                 max_busy_pct=max((i.command(name).busy_pct for i in good), default=0.0),
+                rejected_calls=sum(i.command(name).rejected_calls for i in good),
+                latency_usec=dict(good[-1].command(name).latency_usec) if good else {},
             )
         memory = [i.used_memory_bytes for i in good if i.used_memory_bytes is not None]
+        clients = [i.connected_clients for i in good if i.connected_clients is not None]
+        errors: dict[str, int] = {}
+        for row in good:
+            for prefix, count in row.errors.items():
+                errors[prefix] = errors.get(prefix, 0) + count
+        net_in = sum(i.net_input_bytes for i in good)
+        net_out = sum(i.net_output_bytes for i in good)
         summaries.append(ShardSummary(
             shard=target.rank,
             url=target.url,
@@ -435,5 +550,17 @@ def summarize_shards(targets: list[ShardTarget], intervals: list[IntervalStats])
             max_used_memory_bytes=max(memory) if memory else None,
             maxmemory_bytes=next((i.maxmemory_bytes for i in reversed(good) if i.maxmemory_bytes is not None), None),
             failed_intervals=len(rows) - len(good),
+            net_input_bytes=net_in,
+            net_output_bytes=net_out,
+            mean_net_in_bytes_per_s=net_in / elapsed if elapsed else 0.0,
+            mean_net_out_bytes_per_s=net_out / elapsed if elapsed else 0.0,
+            max_net_out_bytes_per_s=max((i.net_out_bytes_per_s for i in good), default=0.0),
+            rejected_calls=sum(i.rejected_calls for i in good),
+            failed_calls=sum(i.failed_calls for i in good),
+            error_replies=sum(i.error_replies for i in good),
+            errors=errors,
+            rejected_connections=sum(i.rejected_connections for i in good),
+            last_connected_clients=clients[-1] if clients else None,
+            max_connected_clients=max(clients) if clients else None,
         ))
     return summaries

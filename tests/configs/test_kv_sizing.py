@@ -1,22 +1,25 @@
 """kv-sizing: the chunk figure from GLM-5.3's config by vLLM's rule, the write-up's cost model reproduced from its own
-inputs, the model for a cell of P pods sharing the shards, bad input, and --measure through LMCache's
-native RESP client on real Valkey."""
+inputs, the model for a cell of P pods sharing the shards, bad input, and --measure on real Valkey: through
+valkey-py from the ops environment, and through LMCache's native RESP client."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 
 import pytest
+import yaml
 
-from tests.configs.support import SCRIPTS, load_kvsizing
+from tests.configs.support import CONFIGS, SCRIPTS, load_kvsizing
+from tests.support.valkey import free_loopback_port, start_valkey
 
 kvsizing = load_kvsizing()
 model = kvsizing.model
 geometry = kvsizing.geometry
 cli = kvsizing.cli
-from kvsizing import native  # noqa: E402  (on sys.path after load_kvsizing)
+from kvsizing import measure  # noqa: E402  (on sys.path after load_kvsizing)
 GB = 1e9
 
 # The write-up's inputs: 12.4 MB per 256-token chunk (its figure, within 1.5% of the real 12.2 MB); a 16k
@@ -31,15 +34,30 @@ WRITEUP = ["--chunk-bytes", "12.4MB", "--chunk-tokens", "256", "--prefill-rate",
 CELL = ["--prefill-rate", "16Ki/0.31s", "--prompt-tokens", "16Ki"]
 
 
-def run(*args, timeout=120):
+def run(*args, timeout=120, env=None):
     return subprocess.run([sys.executable, str(SCRIPTS / "kv-sizing"), *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def run_json(*args) -> dict:
-    done = run(*args, "--json")
+def run_json(*args, env=None) -> dict:
+    done = run(*args, "--json", env=env)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+def without_modules(tmp_path, *names: str) -> dict:
+    """An environment whose Python cannot import ``names`` (a sitecustomize hides them), as the ops
+    environment (scripts/requirements.txt) lacks LMCache and torch."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"HIDDEN = {set(names)!r}\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in HIDDEN:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+    )
+    return {**os.environ, "PYTHONPATH": str(tmp_path)}
 
 
 # --- the chunk figure ------------------------------------------------------------------------
@@ -293,71 +311,179 @@ def test_model_rejects_bad_inputs_directly():
         model.Inputs(S, R, GB, N_TOKENS, LAMBDA, loading="lazy")
 
 
-# --- --measure: LMCache's native RESP client against a real Valkey --------------------------------
+# --- --measure through valkey-py, from the ops environment ---------------------------------------
 
 
-def test_measure_against_real_valkey(valkey):
-    started = time.monotonic()
-    m = run_json("--measure", valkey.url, "--measure-seconds", "0.5", "--measure-keys", "4")["measurement"]
-    elapsed = time.monotonic() - started
-    assert m["chunk_bytes"] == geometry.CHUNK_BYTES  # the real chunk by default
-    assert m["connections"] == 32  # resp_num_threads of the preset
-    assert m["client"] == "LMCache native RESP client (lmcache_redis), 32 workers"
-    assert m["gets"] >= 4 and m["gets"] % 4 == 0 and m["bytes"] == m["gets"] * geometry.CHUNK_BYTES
-    assert m["bandwidth"] == pytest.approx(m["bytes"] / m["seconds"])
-    # The client's CPU over the loads: it did work, at most every usable core.
-    assert 0 < m["client_cpu_seconds"] and 0 < m["client_cpu_cores"] <= m["usable_cores"] * 1.05
-    assert m["client_bound"] == (m["client_cpu_cores"] >= 0.8 * m["usable_cores"])
-    assert elapsed < 90  # short and bounded (most of it is importing torch and LMCache)
-    assert valkey.client().dbsize() == 0  # its keys are deleted afterwards
+def test_the_measurement_opens_a_ranks_connections():
+    lmcache = yaml.safe_load((CONFIGS / "prefill" / "lmcache.yaml").read_text())
+    assert measure.PRODUCTION_CONNECTIONS == lmcache["extra_config"]["resp_num_threads"] == 32
+    assert "--measure-connections" in run("--help").stdout
 
 
-def test_measure_goes_through_lmcaches_native_client(valkey):
-    # One RESP client in the project: the GETs arrive from the native client's 32 worker connections.
+def test_measure_from_the_ops_environment(valkey, tmp_path):
+    """Real-sized GETs over a rank's 32 connections, with LMCache and torch out of reach."""
     client = valkey.client()
     client.config_resetstat()
-    out = run_json("--measure", valkey.url, "--measure-seconds", "0.3", "--measure-keys", "2",
-                   "--measure-connections", "5")
-    stats = client.info("stats")
+    before = client.info("stats")["total_connections_received"]
+    started = time.monotonic()
+    m = run_json("--measure", valkey.url, "--measure-seconds", "0.3", "--measure-keys", "3", "--measure-max-gets",
+                 "16", env=without_modules(tmp_path, "lmcache", "torch"))["measurement"]
+    elapsed = time.monotonic() - started
+    connections = client.info("stats")["total_connections_received"] - before
     commands = client.info("commandstats")
-    assert out["measurement"]["connections"] == 5
-    assert stats["total_connections_received"] >= 1 + 5  # the probe, then the native client's 5 workers
-    assert commands["cmdstat_get"]["calls"] == out["measurement"]["gets"]
-    assert commands["cmdstat_set"]["calls"] == 2
+    assert m["client"].startswith("valkey-py ") and m["connections"] == 32
+    assert connections == 1 + 32  # one to write the values, then a rank's 32
+    assert m["chunk_bytes"] == geometry.CHUNK_BYTES == 12_211_200  # the real chunk by default
+    assert 1 <= m["gets"] <= 16 and m["bytes"] == m["gets"] * geometry.CHUNK_BYTES
+    assert commands["cmdstat_get"]["calls"] == m["gets"] and commands["cmdstat_set"]["calls"] == 3
+    assert m["bandwidth"] == pytest.approx(m["bytes"] / m["seconds"])
+    assert m["ms_per_get"] == pytest.approx(geometry.CHUNK_BYTES / m["bandwidth"] * 1e3)
+    assert 0 < m["get_p50_ms"] <= m["get_p99_ms"] <= m["seconds"] * 1e3
+    assert m["server_usec_per_get"] == pytest.approx(commands["cmdstat_get"]["usec_per_call"], rel=0.01)
+    assert 0 < m["client_cpu_cores"] and 1 <= m["client_processes"] <= m["usable_cores"]
+    assert m["round_p50_ms"] is None  # rounds are the LMCache client's
+    assert client.dbsize() == 0  # its values are deleted afterwards
+    assert elapsed < 30
+    print(f"kv-sizing --measure (valkey-py) against a local Valkey: {m['bandwidth'] / GB:.3f} GB/s, "
+          f"{m['ms_per_get']:.1f} ms per GET of {m['chunk_bytes']:,} B ({m['gets']} GETs; p50 "
+          f"{m['get_p50_ms']:.0f} ms with 32 in flight; server {m['server_usec_per_get'] / 1e3:.1f} ms per GET; "
+          f"client {m['client_cpu_cores']:.2f} cores in {m['client_processes']} processes)")
 
 
-def test_measure_feeds_the_model(valkey):
-    out = run_json("--measure", valkey.url, "--measure-seconds", "0.3", "--measure-max-gets", "8",
-                   "--measure-keys", "4", *CELL, "--arrival-rate", "1.2", "--prefill-pods", "4")
-    assert out["measurement"]["gets"] <= 8
-    assert out["inputs"]["instance_bandwidth"] == pytest.approx(out["measurement"]["bandwidth"])
-    assert out["results"]["aggregate_bandwidth"] == pytest.approx(8 * out["measurement"]["bandwidth"])
+def test_measure_every_instance_and_size_with_the_slowest(valkey, tmp_path):
+    second = start_valkey(tmp_path)
+    try:
+        out = run_json("--measure", valkey.url, "--measure", second.url, "--measure-seconds", "0.2",
+                       "--measure-keys", "2", "--measure-connections", "4", "--measure-max-gets", "8",
+                       *CELL, "--arrival-rate", "1.2", "--prefill-pods", "4")
+    finally:
+        second.stop()
+    assert [m["url"] for m in out["measurements"]] == [valkey.url, second.url]
+    assert all(1 <= m["gets"] <= 8 and m["connections"] == 4 for m in out["measurements"])
+    slowest = min(out["measurements"], key=lambda m: m["bandwidth"])
+    assert out["measurement"] == slowest
+    assert out["inputs"]["instance_bandwidth"] == pytest.approx(slowest["bandwidth"])
+    assert out["results"]["aggregate_bandwidth"] == pytest.approx(8 * slowest["bandwidth"])
+
+
+def test_a_template_means_every_instance():
+    template = "resp://valkey-lmcache-{rank}.vllm.svc.cluster.local:6379"
+    assert measure.expand_urls([template], 3) == [template.replace("{rank}", str(r)) for r in range(3)]
+    assert measure.expand_urls(["resp://a:1", "resp://b:2"], 8) == ["resp://a:1", "resp://b:2"]
+    with pytest.raises(ValueError, match="expected resp://HOST:PORT"):
+        measure.expand_urls(["http://a:1"], 1)
 
 
 def test_measure_uses_the_configured_chunk_size(valkey):
     out = run_json("--measure", valkey.url, "--measure-seconds", "0.2", "--measure-keys", "2",
                    "--kv-bytes-per-token", "4KB", "--chunk-tokens", "16")
     assert out["measurement"]["chunk_bytes"] == 64_000
+    assert out["measurement"]["ms_per_get"] == pytest.approx(64_000 / out["measurement"]["bandwidth"] * 1e3)
 
 
-def test_measure_text_names_a_client_bound_result():
-    m = native.Measurement(
-        url="resp://h:1", client="c", chunk_bytes=1, keys=1, connections=32, gets=1, bytes=1, seconds=1.0,
-        bandwidth=1e9, round_p50_ms=1.0, round_p99_ms=1.0, client_cpu_seconds=1.9, client_cpu_cores=1.9,
-        usable_cores=2, client_bound=True)
-    assert "CLIENT-BOUND: the client used 1.90 of 2 cores" in cli.measurement_text(m)
+def test_measure_text_reports_time_per_get_and_a_client_bound_result():
+    m = measure.Measurement(
+        url="resp://h:1", client="c", chunk_bytes=12_211_200, keys=1, connections=32, gets=1, bytes=1, seconds=1.0,
+        bandwidth=1.2e9, ms_per_get=10.176, get_p50_ms=300.0, get_p99_ms=320.0, round_p50_ms=None,
+        round_p99_ms=None, server_usec_per_get=2500.0, client_cpu_seconds=1.9, client_cpu_cores=1.9,
+        usable_cores=2, client_processes=2, client_bound=True)
+    text = cli.measurement_text(m)
+    assert "1.200 GB/s per instance, 10.18 ms per GET of 12.21 MB" in text
+    assert "p50 300.0 ms, p99 320.0 ms; the server's time per GET 2.50 ms" in text
+    assert "CLIENT-BOUND: the client used 1.90 cores in 2 process(es) of 2 usable" in text
+    assert measure.client_bound(0.9, 1) and not measure.client_bound(0.5, 1)
 
 
-def test_measure_errors():
-    from tests.support.valkey import free_loopback_port
-
+def test_measure_errors(tmp_path):
     port = free_loopback_port()
     refused = run("--measure", f"resp://127.0.0.1:{port}", "--measure-seconds", "0.2")
     assert refused.returncode == 3
     assert "measurement failed: cannot connect to 127.0.0.1" in refused.stderr
-    template = run("--measure", "resp://valkey-lmcache-{rank}.vllm.svc.cluster.local:6379")
-    assert template.returncode == 2 and "a template" in template.stderr
     too_long = run("--measure", f"resp://127.0.0.1:{port}", "--measure-seconds", "600")
     assert too_long.returncode == 2 and "seconds: expected" in too_long.stderr
     both = run("--measure", f"resp://127.0.0.1:{port}", *WRITEUP, "--instance-gbps", "1")
     assert both.returncode == 2 and "not both" in both.stderr
+    scheme = run("--measure", "http://127.0.0.1:1")
+    assert scheme.returncode == 2 and "expected resp://HOST:PORT" in scheme.stderr
+    small = start_valkey(tmp_path, ["--maxmemory", "30mb", "--maxmemory-policy", "allkeys-lru"])
+    try:  # three 12.2 MB values in 30 MB: the third evicts one written before
+        evicted = run("--measure", small.url, "--measure-seconds", "0.2", "--measure-keys", "3",
+                      "--measure-connections", "2")
+    finally:
+        small.stop()
+    assert evicted.returncode == 3 and "vanished during the measurement (evicted?" in evicted.stderr
+
+
+# --- --measure-client lmcache: LMCache's native RESP client against a real Valkey ---------------------
+
+
+def test_the_lmcache_client_says_what_it_needs(tmp_path):
+    assert "needs LMCache 0.5.5 with its C++ extension (lmcache.lmcache_redis) and torch" in \
+        " ".join(run("--help").stdout.split())
+    missing = run("--measure-client", "lmcache", "--measure", "resp://127.0.0.1:1",
+                  env=without_modules(tmp_path, "lmcache", "torch"))
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert len(missing.stderr.splitlines()) == 1, missing.stderr
+    assert missing.stderr.startswith("kv-sizing: error: --measure-client lmcache needs LMCache 0.5.5")
+    assert "and torch" in missing.stderr and "--measure-client valkey-py" in missing.stderr
+    several = run("--measure-client", "lmcache", "--measure", "resp://valkey-lmcache-{rank}.svc:6379")
+    assert several.returncode == 2 and "one instance per run" in several.stderr
+
+
+def test_measure_through_lmcaches_native_client(valkey):
+    # The GETs arrive from the native client's worker connections, after a probe connection.
+    client = valkey.client()
+    client.config_resetstat()
+    started = time.monotonic()
+    out = run_json("--measure-client", "lmcache", "--measure", valkey.url, "--measure-seconds", "0.3",
+                   "--measure-keys", "2", "--measure-connections", "5", *CELL, "--arrival-rate", "1.2")
+    elapsed = time.monotonic() - started
+    stats = client.info("stats")
+    commands = client.info("commandstats")
+    m = out["measurement"]
+    assert m["client"] == "LMCache native RESP client (lmcache_redis), 5 workers" and m["connections"] == 5
+    assert stats["total_connections_received"] >= 1 + 5  # the probe, then the native client's 5 workers
+    assert commands["cmdstat_get"]["calls"] == m["gets"] and commands["cmdstat_set"]["calls"] == 2
+    assert m["chunk_bytes"] == geometry.CHUNK_BYTES  # the real chunk by default
+    assert m["gets"] >= 2 and m["gets"] % 2 == 0 and m["bytes"] == m["gets"] * geometry.CHUNK_BYTES
+    assert m["bandwidth"] == pytest.approx(m["bytes"] / m["seconds"])
+    assert m["ms_per_get"] == pytest.approx(geometry.CHUNK_BYTES / m["bandwidth"] * 1e3)
+    assert 0 < m["round_p50_ms"] <= m["round_p99_ms"]
+    # The client's CPU over the loads: it did work, at most every usable core.
+    assert 0 < m["client_cpu_seconds"] and 0 < m["client_cpu_cores"] <= m["usable_cores"] * 1.05
+    assert m["client_bound"] == (m["client_cpu_cores"] >= 0.8 * m["usable_cores"])
+    assert out["inputs"]["instance_bandwidth"] == pytest.approx(m["bandwidth"])  # b of the model
+    assert elapsed < 90  # short and bounded (most of it is importing torch and LMCache)
+    assert client.dbsize() == 0  # its keys are deleted afterwards
+
+
+# --- bad --inputs files ------------------------------------------------------------------------
+
+
+def test_an_inputs_file_that_is_not_utf8_is_named(tmp_path):
+    inputs = tmp_path / "cell.yaml"
+    inputs.write_bytes("prefill_rate: 53k\nnote: caf\u00e9\n".encode("latin-1"))
+    done = run("--inputs", str(inputs))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"kv-sizing: error: --inputs {inputs}: not UTF-8 text (byte 0xe9 at offset 27)\n"
+
+
+def test_yaml_inputs_without_pyyaml_say_so(tmp_path):
+    inputs = tmp_path / "cell.yaml"
+    inputs.write_text("chunk_bytes: 12.4MB\nprefill_rate: 16Ki/0.31s\ninstance_gbps: 1.345\n"
+                      "prompt_tokens: 16384\narrival_rate: 1.2\n")
+    assert run_json("--inputs", str(inputs))["inputs"]["prefill_rate"] == pytest.approx(16384 / 0.31)
+    done = run("--inputs", str(inputs), env=without_modules(tmp_path, "yaml"))
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
+    assert f"--inputs {inputs}: reading YAML needs PyYAML, which this Python cannot import" in done.stderr
+    assert "not valid YAML" not in done.stderr
+    requirements = (SCRIPTS / "requirements.txt").read_text().splitlines()
+    assert any(line.startswith("PyYAML==") for line in requirements)  # the ops environment has it
+
+
+def test_an_inputs_file_that_is_not_yaml_is_one_line(tmp_path):
+    inputs = tmp_path / "cell.yaml"
+    inputs.write_text("prefill_rate: [53k\narrival_rate: 1.2\n")
+    done = run("--inputs", str(inputs))
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
+    assert done.stderr.startswith(f"kv-sizing: error: --inputs {inputs}: not valid YAML: ")

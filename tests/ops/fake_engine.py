@@ -53,6 +53,8 @@ How a completion behaves:
   and abort as a JSON line, for tests that run engines as processes.
 
 Run it alone for a demo: ``python -m tests.ops.fake_engine --port 8000``.
+:func:`start_engine_process` runs it so for tests, on a free port, with its
+arrivals log.
 """
 from __future__ import annotations
 
@@ -61,11 +63,15 @@ import asyncio
 import hashlib
 import json
 import re
+import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -475,6 +481,51 @@ class FakeEngine:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+@dataclass
+class EngineProcess:
+    """A fake engine running as its own process (``python -m tests.ops.fake_engine``)."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    arrivals_log: Path
+
+    def events(self, event: str = "arrive") -> list[dict[str, Any]]:
+        """The arrivals log's lines of one kind (``arrive``, ``finish``, ``abort``), in order."""
+        if not self.arrivals_log.exists():
+            return []
+        lines = self.arrivals_log.read_text(encoding="utf-8").splitlines()
+        return [entry for line in lines if line.strip() and (entry := json.loads(line))["event"] == event]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+def start_engine_process(workdir: Path, *options: str, timeout_s: float = 30.0) -> EngineProcess:
+    """Start the fake engine as a process on a free loopback port; ``options`` are its CLI's."""
+    log = workdir / f"arrivals-{uuid.uuid4().hex[:8]}.jsonl"
+    with open(workdir / "fake-engine.err", "ab") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.ops.fake_engine", "--port", "0", "--arrivals-log", str(log), *options],
+            cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=stderr,
+        )
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+    line = process.stdout.readline().decode() if ready else ""
+    if not line.startswith("fake engine on "):
+        process.kill()
+        process.wait(10)
+        raise RuntimeError(f"the fake engine process did not start (said {line!r}; see {workdir}/fake-engine.err)")
+    return EngineProcess(process, line.split()[-1], log)
 
 
 def main() -> None:

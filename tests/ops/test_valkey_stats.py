@@ -1,4 +1,4 @@
-"""The Valkey stats sampler against real Valkey 8.1 servers under a GET load the test sends."""
+"""The Valkey stats sampler against real Valkey 8.1 servers under the loads the tests send."""
 from __future__ import annotations
 
 import csv
@@ -16,6 +16,8 @@ from opstools import valkey_cli
 from opstools.common import OpsError
 from opstools.valkey_sampler import (
     COMMANDS,
+    INFO_SECTIONS,
+    PERCENTILES,
     Sampler,
     ServerSample,
     expand_targets,
@@ -350,3 +352,177 @@ def test_a_shard_lost_mid_run_is_reported_and_fails_the_run(two_shards, tmp_path
         rows = list(csv.DictReader(handle))
     assert any(row["shard"] == "1" and row["error"] for row in rows)
     assert all(row["error"] == "" for row in rows if row["shard"] == "0")
+
+
+# --- network bytes, latency percentiles, errors and clients --------------------------------------
+
+# The only bytes a shard moves besides the load's are the sampler's own INFO round trips: one request
+# per interval (computable: INFO_REQUEST_BYTES) and one reply per interval (the previous sample's, text
+# of a few KB that depends on the counters in it). Input bytes are therefore checked exactly, output
+# bytes between the load's replies and those plus INFO_REPLY_MAX_BYTES per interval.
+INFO_REPLY_MAX_BYTES = 16 * 1024
+
+
+def resp_bulk_bytes(data: bytes) -> int:
+    return len(b"$%d\r\n" % len(data)) + len(data) + 2
+
+
+def resp_request_bytes(*args: str | bytes | int) -> int:
+    """Bytes of a command as a client sends it: a RESP array of bulk strings."""
+    parts = [a if isinstance(a, bytes) else str(a).encode() for a in args]
+    return len(b"*%d\r\n" % len(parts)) + sum(resp_bulk_bytes(p) for p in parts)
+
+
+INFO_REQUEST_BYTES = resp_request_bytes("INFO", *INFO_SECTIONS)
+RECENT_KEYS = 40  # of 64 KiB: 2.6 MB, within MAXMEMORY
+OK_REPLY_BYTES = len(b"+OK\r\n")
+NULL_REPLY_BYTES = len(b"$-1\r\n")
+
+
+def error_reply_bytes(error: Exception) -> int:
+    """valkey-py drops the generic "ERR " of an error reply and keeps any other code (WRONGTYPE ...)."""
+    text = str(error)
+    code = text.split(" ", 1)[0]
+    return len(b"-\r\n") + len(text if code.isupper() else "ERR " + text)
+
+
+class CountedLoad:
+    """SET new 64 KiB chunk keys, GET and EXISTS random earlier ones (LMCache's stores, loads, lookups),
+    through one valkey-py client speaking RESP2, counting the bytes it sends and receives."""
+
+    def __init__(self, client, seed: int = 11) -> None:
+        self.client = client
+        self.rng = random.Random(seed)
+        self.written = 0
+        self.sent_bytes = 0
+        self.received_bytes = 0
+        self.calls = dict.fromkeys(COMMANDS, 0)
+
+    def _key(self) -> str:
+        """Mostly among the recent keys (most of which maxmemory still holds), now and then an older one."""
+        recent = self.rng.random() < 0.8
+        oldest = max(0, self.written - RECENT_KEYS) if recent else 0
+        return f"chunk:{self.rng.randrange(oldest, max(1, self.written))}"
+
+    def _count(self, command: str, request: int, reply: int) -> None:
+        self.calls[command] += 1
+        self.sent_bytes += request
+        self.received_bytes += reply
+
+    def send(self, sets: int, gets: int, exists: int) -> None:
+        for _ in range(sets):
+            key = f"chunk:{self.written}"
+            self.client.set(key, VALUE)
+            self.written += 1
+            self._count("set", resp_request_bytes("SET", key, VALUE), OK_REPLY_BYTES)
+        for _ in range(gets):
+            key = self._key()
+            value = self.client.get(key)
+            self._count("get", resp_request_bytes("GET", key),
+                        NULL_REPLY_BYTES if value is None else resp_bulk_bytes(value))
+        for _ in range(exists):
+            keys = [self._key(), self._key()]
+            found = self.client.exists(*keys)
+            self._count("exists", resp_request_bytes("EXISTS", *keys), len(b":%d\r\n" % found))
+
+    def send_errors(self) -> None:
+        """Two GETs and a SET refused for their arity (rejected calls), an INCRBY of text and an LPUSH onto
+        a string (failed calls): error replies ERR x 4, WRONGTYPE x 1."""
+        self.client.set("text", b"abc")
+        self.sent_bytes += resp_request_bytes("SET", "text", b"abc")
+        self.received_bytes += OK_REPLY_BYTES
+        for args in [("GET",), ("GET",), ("SET", "k"), ("INCRBY", "text", 1), ("LPUSH", "text", "x")]:
+            with pytest.raises(Exception) as refused:
+                self.client.execute_command(*args)
+            self.sent_bytes += resp_request_bytes(*args)
+            self.received_bytes += error_reply_bytes(refused.value)
+
+    def evicted(self) -> int:
+        return self.written - self.client.dbsize() + 1  # no TTLs, no deletes; "text" is not a chunk
+
+
+def test_bytes_latency_errors_clients_and_evictions_per_interval(small_valkey):
+    client = small_valkey.client()
+    client.ping()  # connected (and its handshake sent) before the baseline
+    load = CountedLoad(client)
+    sampler = Sampler(expand_targets(None, None, [small_valkey.url]))
+    intervals = []
+    replies = []  # the bytes of the load's replies, per interval
+    try:
+        sampler.check_all()
+        for phase in [lambda: load.send(20, 20, 15), lambda: load.send(120, 60, 40), load.send_errors,
+                      lambda: None]:
+            sent, received = load.sent_bytes, load.received_bytes
+            phase()
+            (interval,) = sampler.sample()
+            assert interval.error == ""
+            assert interval.net_input_bytes == load.sent_bytes - sent + INFO_REQUEST_BYTES
+            moved_out = load.received_bytes - received
+            assert moved_out <= interval.net_output_bytes <= moved_out + INFO_REPLY_MAX_BYTES
+            assert interval.net_out_bytes_per_s * interval.interval_s == pytest.approx(interval.net_output_bytes)
+            assert interval.net_in_bytes_per_s * interval.interval_s == pytest.approx(interval.net_input_bytes)
+            assert interval.connected_clients == 2  # the load's client and the sampler's
+            intervals.append(interval)
+            replies.append(moved_out)
+    finally:
+        sampler.close()
+    loaded = intervals[1]  # 120 SETs, 60 GETs (most of them hits) of 64 KiB: 7.9 MB in, about 3 MB out
+    assert loaded.net_input_bytes > 120 * len(VALUE)
+    assert replies[1] > 20 * len(VALUE)
+    assert loaded.net_output_bytes / replies[1] == pytest.approx(1.0, abs=0.01)  # the INFO reply: a few KB
+    for name in ("get", "set", "exists"):  # lifetime percentiles, present once the command ran
+        latency = loaded.command(name).latency_usec
+        assert set(latency) == set(PERCENTILES), name
+        assert 0 < latency["p50"] <= latency["p99"] <= latency["p99.9"], name
+    assert loaded.command("mget").latency_usec == {}  # never called
+    errors = intervals[2]
+    assert (errors.command("get").rejected_calls, errors.command("set").rejected_calls) == (2, 1)
+    assert (errors.rejected_calls, errors.failed_calls) == (3, 2)
+    assert errors.errors == {"ERR": 4, "WRONGTYPE": 1} and errors.error_replies == 5
+    assert all(i.error_replies == 0 and i.rejected_calls == 0 for i in intervals if i is not errors)
+    assert intervals[0].evicted_keys == 0 and loaded.evicted_keys > 0
+    assert sum(i.evicted_keys for i in intervals) == load.evicted()
+
+
+def test_cli_reports_bytes_latency_errors_and_b_per_shard(small_valkey, tmp_path):
+    out = tmp_path / "out"
+    client = small_valkey.client()
+    client.ping()
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "valkey-stats"), "--url", small_valkey.url, "--interval", "0.4",
+         "--duration", "1.6", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert "sampling 1 shard(s)" in process.stderr.readline()  # printed after the baseline sample
+        load = CountedLoad(client, seed=5)
+        load.send(100, 80, 40)
+        load.send_errors()
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    (shard,) = json.loads((out / "summary.json").read_text())["shards"]
+    intervals = shard["intervals"]
+    assert shard["net_input_bytes"] == load.sent_bytes + intervals * INFO_REQUEST_BYTES
+    assert load.received_bytes <= shard["net_output_bytes"] <= load.received_bytes + intervals * INFO_REPLY_MAX_BYTES
+    assert shard["max_net_out_bytes_per_s"] >= shard["mean_net_out_bytes_per_s"] > 0
+    assert shard["errors"] == {"ERR": 4, "WRONGTYPE": 1} and shard["rejected_calls"] == 3
+    assert shard["commands"]["get"]["rejected_calls"] == 2
+    assert shard["evicted_keys"] == load.evicted() > 0
+    assert shard["last_connected_clients"] == 2
+    for name in ("get", "set", "exists"):
+        assert set(shard["commands"][name]["latency_usec"]) == set(PERCENTILES), name
+    with (out / "intervals.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert sum(int(r["net_output_bytes"]) for r in rows) == shard["net_output_bytes"]
+    assert all(float(r["net_out_bytes_per_s"]) * float(r["interval_s"]) == pytest.approx(int(r["net_output_bytes"]),
+                                                                                         rel=1e-3, abs=1)
+               for r in rows)
+    assert any(r["errors"] == "ERR=4;WRONGTYPE=1" for r in rows)
+    assert all(r["get_p99_usec"] for r in rows if int(r["get_calls"]))
+    assert (out / "valkey_stats.png").read_bytes().startswith(PNG_MAGIC)
+    assert "out MB/s" in stdout and "p50/p99/p99.9" in stdout
+    assert f"shard 0: mean {shard['mean_net_out_bytes_per_s'] / 1e9:.3f} GB/s" in stdout
+    assert "kv-sizing's --instance-gbps" in stdout
