@@ -366,7 +366,11 @@ COPY --from=flashinfer-wheel /out/aot/ /opt/venv/lib/python${PYTHON_VERSION}/sit
 # complete, else "" (FlashInfer then downloads into /cache at first use).
 COPY --from=flashinfer-wheel /out/cubins/ /opt/flashinfer/cubins/
 ARG FLASHINFER_CUBIN_DIR=
-ENV FLASHINFER_CUBIN_DIR=${FLASHINFER_CUBIN_DIR}
+# VLLM_HAS_FLASHINFER_CUBIN=1 (only with the set; `make image` passes 0 otherwise): vLLM then
+# takes the cubins as present instead of probing FlashInfer's store (has_nvidia_artifactory).
+ARG VLLM_HAS_FLASHINFER_CUBIN=0
+ENV FLASHINFER_CUBIN_DIR=${FLASHINFER_CUBIN_DIR} \
+    VLLM_HAS_FLASHINFER_CUBIN=${VLLM_HAS_FLASHINFER_CUBIN}
 COPY --from=flashinfer-wheel /out/flashinfer-aot.json /opt/glm53/flashinfer-aot.json
 COPY --from=sources /work/trees/ /opt/glm53/trees/
 # vLLM's NIXL P/D proxy is not in the wheel: the pinned sdist's copy.
@@ -404,6 +408,7 @@ ARG LMCACHE_PATCHED_TREE=unknown
 ARG FLASHINFER_PATCHED_TREE=unknown
 ARG VLLM_PATCHED_TREE=unknown
 ARG FLASHINFER_AOT=unknown
+ARG IMAGE_KIND=unknown
 ARG IMAGE_VERSION=dev
 ARG IMAGE_REVISION=unknown
 ARG IMAGE_CREATED=unknown
@@ -434,7 +439,8 @@ LABEL org.opencontainers.image.title="glm53-b300-serving" \
       io.glm53.lmcache.patched-tree="${LMCACHE_PATCHED_TREE}" \
       io.glm53.flashinfer.patched-tree="${FLASHINFER_PATCHED_TREE}" \
       io.glm53.vllm.patched-tree="${VLLM_PATCHED_TREE}" \
-      io.glm53.flashinfer.fused-moe-aot="${FLASHINFER_AOT}"
+      io.glm53.flashinfer.fused-moe-aot="${FLASHINFER_AOT}" \
+      io.glm53.image.kind="${IMAGE_KIND}"
 USER 1000:0
 WORKDIR /home/serve
 EXPOSE 8000

@@ -6,16 +6,17 @@ WORK ?= $(CURDIR)/work
 DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
 FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
 
-.PHONY: help gpu-bundles image image-check image-repro lock-debian lock test stress sources fetch flashinfer-artifacts patched export health manifest lint pin audit clean
+.PHONY: help gpu-bundles image image-check image-repro lock-debian lock test stress sources fetch flashinfer-artifacts patched export health manifest lint pin audit chart clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
 	@echo "  variables: UPSTREAM=lmcache|flashinfer|vllm (export), UPSTREAM=NAME==VERSION (health), FORCE=1, WORK=dir"
 
 IMAGE_TAG ?= localhost/glm53-b300-serving:dev
-STRICT_FLAG := $(if $(filter 1 yes true,$(STRICT)),--strict,)
-image: ## build the serving image, run its self-test and the sm_103 audit [ENGINE=docker|podman|buildah] [IMAGE_TAG=..] [BASE_IMAGE=..] [STAGE=..] [STRICT=1: fail without FlashInfer AOT]
-	$(DIST) image --tag $(IMAGE_TAG) $(if $(ENGINE),--engine $(ENGINE)) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(STAGE),--target $(STAGE)) $(STRICT_FLAG)
+# RELEASE=1 (STRICT=1 is the same): fail unless the image carries FlashInfer's artifact set.
+RELEASE_FLAG := $(if $(filter 1 yes true,$(RELEASE) $(STRICT)),--release,)
+image: ## build the serving image, run its self-test and the sm_103 audit [ENGINE=docker|podman|buildah] [IMAGE_TAG=..] [BASE_IMAGE=..] [STAGE=..] [RELEASE=1: fail without FlashInfer's artifact set]
+	$(DIST) image --tag $(IMAGE_TAG) $(if $(ENGINE),--engine $(ENGINE)) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(STAGE),--target $(STAGE)) $(RELEASE_FLAG)
 
 image-repro: ## build the image twice on clean storage, compare every stage's digest, list differing files per layer [STAGE=..]
 	$(DIST) image --repro --tag $(IMAGE_TAG) $(if $(ENGINE),--engine $(ENGINE)) $(if $(STAGE),--target $(STAGE))
@@ -72,6 +73,9 @@ TARGET_ARG := $(if $(TARGET),--target $(TARGET),)
 audit: ## arch audit gate: make audit AUDIT_PATH=dir|file|oci-archive [TARGET=sm_103] [ALLOWLIST=f] [JSON=out]
 	@test -n "$(AUDIT_PATH)" || { echo "make audit: set AUDIT_PATH=a folder, a .so/.cubin/.fatbin, an OCI layout folder or an oci-archive tar" >&2; exit 2; }
 	$(DIST) audit $(TARGET_ARG) $(if $(ALLOWLIST),--allowlist $(ALLOWLIST)) $(if $(JSON),--json $(JSON)) $(AUDIT_PATH)
+
+chart: ## package the Helm chart self-contained (links resolved) into work/chart, check it renders as the source, print its sha256
+	PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild.chart --work $(WORK)
 
 clean: ## remove work/ except the download cache
 	find $(WORK) -mindepth 1 -maxdepth 1 ! -name cache -exec rm -rf {} +

@@ -30,7 +30,9 @@ How far each check goes (configs/README.md, "Validation", says why):
 * env: KEY=VALUE syntax; ``VLLM_*`` names vLLM 0.31.0 reads, with values its
   own parsers accept (needs vllm); ``LMCACHE_*`` limited to the config file
   path, so the YAML stays the single source; no ``expandable_segments:True``
-  (vLLM refuses it with a KV connector).
+  (vLLM refuses it with a KV connector); the offline switches
+  (``OFFLINE_SWITCHES``) are ``0`` or ``1``; no variable the image sets
+  itself (``IMAGE_SET``).
 """
 from __future__ import annotations
 
@@ -67,6 +69,20 @@ EXTRA_CONFIG_KEYS: dict[str, tuple[type, str]] = {
 # LMCACHE_<KEY> would silently override the YAML), plus the RESP credentials
 # that redis_adapter.py reads from the environment and never logs.
 LMCACHE_ENV_ALLOWED = {"LMCACHE_CONFIG_FILE", "LMCACHE_RESP_USERNAME", "LMCACHE_RESP_PASSWORD"}
+
+# The presets' offline defaults. vLLM turns VLLM_NO_USAGE_STATS and DO_NOT_TRACK on only for
+# exactly "1" (envs.py), so any other value would leave the node reporting without a word.
+OFFLINE_SWITCHES = {
+    "HF_HUB_OFFLINE": "huggingface_hub: nothing is fetched from the Hub",
+    "VLLM_NO_USAGE_STATS": "vLLM's usage statistics (vllm/usage/usage_lib.py)",
+    "DO_NOT_TRACK": "the do-not-track convention vLLM, LMCache and huggingface_hub honour",
+}
+
+# Variables the image sets from what it carries; a preset value would contradict it.
+IMAGE_SET = {
+    "VLLM_HAS_FLASHINFER_CUBIN": "the image sets it to 1 only when it carries FlashInfer's artifact set; "
+                                 "in a preset it would tell vLLM that a development image has cubins it lacks",
+}
 
 
 class ConfigError(Exception):
@@ -137,6 +153,11 @@ def check_env_file(path: str | os.PathLike, *, vllm: bool = True, lmcache: bool 
         if key == "PYTORCH_CUDA_ALLOC_CONF" and "expandable_segments:True" in value:
             raise ConfigError(path, key, "vLLM 0.31.0 refuses expandable_segments:True with a KV "
                               "connector (config/vllm.py _verify_kv_transfer_compat)")
+        if key in IMAGE_SET:
+            raise ConfigError(path, key, f"set by the image, not by a preset: {IMAGE_SET[key]}")
+        if key in OFFLINE_SWITCHES and value not in ("0", "1"):
+            raise ConfigError(path, key, f"{value!r} is neither 0 nor 1 ({OFFLINE_SWITCHES[key]}; "
+                              "only 1 turns it on)")
         if key.startswith("LMCACHE_") and key not in LMCACHE_ENV_ALLOWED:
             if lmcache:
                 from lmcache.v1.config import _CONFIG_DEFINITIONS

@@ -435,8 +435,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-selftest", action="store_true")
     s.add_argument("--no-audit", action="store_true")
     s.add_argument("--audit-target", default="sm_103")
-    s.add_argument("--strict", action="store_true", help="a release: fail unless FlashInfer's modules are compiled "
-                   "ahead of time from a complete artifact set")
+    s.add_argument("--release", "--strict", dest="release", action="store_true",
+                   help="a release: fail, naming what is missing, unless the image carries FlashInfer's artifact "
+                        "set and its modules compiled ahead of time (without it: a development image)")
     s.add_argument("--no-layer-sizes", action="store_true", help="skip the gzip layer table (minutes)")
     s.add_argument("--repro", action="store_true", help="build twice on clean storage and compare every stage's digest")
     s.add_argument("--lock-debian", action="store_true", help="re-resolve build/lock/debian.txt against the live suites")

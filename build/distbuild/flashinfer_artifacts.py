@@ -13,7 +13,9 @@ once verified; a warm cache never touches the network.
 The cache folder has FlashInfer's own layout (``FLASHINFER_CUBIN_DIR /
 <ArtifactPath> / <file>``), so the image copies it as is and points
 ``FLASHINFER_CUBIN_DIR`` at it. ``RECORD`` (written last) lists what a complete
-set holds; ``make image`` stages a set only when its record is there.
+set holds; ``make image`` stages a set only when its record is there, and
+``make image RELEASE=1`` refuses to build without a complete set for the patched
+tree's pins (``release_problems``).
 
 Why these artifacts (vLLM 0.31.0 on SM103 serving GLM-5.3 FP8, kv-cache fp8):
 - ``TRTLLM_GEN_BMM``: the FP8 block-scale fused MoE, vLLM's FLASHINFER_TRTLLM
@@ -346,10 +348,36 @@ def stage(cache_root: Path, context_dir: Path, log: Callable[[str], None] = prin
     return status
 
 
+def release_problems(status: SetStatus, pins: Pins | None = None) -> list[str]:
+    """Why a cached or staged set cannot make a release image (``[]``: it can).
+
+    An incomplete set names what is missing (with ``pins``, the pinned manifests
+    an absent set lacks); a complete set fetched for other pins than ``pins``
+    (the patched tree the image compiles) names each artifact that differs.
+    """
+    if status.record is None and pins is not None:
+        return [f"{a.manifest_path} (CheckSumHash.{a.key} {a.manifest_sha256[:12]}) and every file it lists"
+                for a in pins.artifacts]
+    if not status.complete:
+        return list(status.missing)
+    if pins is None:
+        return []
+    assert status.record is not None
+    held = {e["key"]: (e["path"], e["manifest_sha256"]) for e in status.record.get("artifacts", [])}
+    problems = []
+    for artifact in pins.artifacts:
+        got = held.get(artifact.key)
+        if got != (artifact.path, artifact.manifest_sha256):
+            have = f"{got[0]}{MANIFEST} sha256 {got[1][:12]}" if got else "nothing"
+            problems.append(f"{artifact.key}: the set holds {have}, the patched tree pins "
+                            f"{artifact.manifest_path} sha256 {artifact.manifest_sha256[:12]}")
+    return problems
+
+
 def default_mirror(pins: Pins) -> str:
     """FlashInfer's own override variable if the site set it, else the store the tree names."""
     return os.environ.get("FLASHINFER_CUBINS_REPOSITORY") or pins.store
 
 
 __all__ = ["Artifact", "Mirror", "NEEDED", "Pins", "RECORD", "default_mirror", "fetch_set", "parse_manifest",
-           "read_pins", "set_status", "stage"]
+           "read_pins", "release_problems", "set_status", "stage"]

@@ -15,6 +15,14 @@
 5. the image's self-test in a container, and ``distbuild audit`` of its
    filesystem for ``sm_103`` with ``build/audit-allowlist.txt``.
 
+A release (``--release``, ``make image RELEASE=1``) must carry FlashInfer's
+artifact set: it fails at once without a complete cached set, after the
+``sources`` stage when the set was fetched for other pins than the patched
+tree's, and after ``flashinfer-wheel`` unless the modules were compiled; each
+failure names what is missing. Without ``--release`` the same image is a
+development image (``imagectl.labels``: it needs FlashInfer's artifact store at
+first use).
+
 A report (stage times, image size, self-test output, audit summary) goes to
 ``work/image/report.json``.
 """
@@ -61,7 +69,7 @@ class Options:
     audit: bool = True
     audit_target: str = "sm_103"
     max_jobs: int = 2
-    strict: bool = False   # a release: fail unless FlashInfer's modules are compiled ahead of time
+    release: bool = False  # fail unless the image carries FlashInfer's artifact set and AOT modules
     layers: bool = True    # compress each layer (gzip, as a registry push would) for the layer table
     extra_args: dict[str, str] = field(default_factory=dict)
 
@@ -69,7 +77,7 @@ class Options:
     def from_args(cls, args: argparse.Namespace) -> "Options":
         return cls(engine=args.engine, tag=args.tag, target=args.target, base_image=args.base_image,
                    selftest=not args.no_selftest, audit=not args.no_audit, audit_target=args.audit_target,
-                   max_jobs=int(os.environ.get("MAX_JOBS", "2")), strict=getattr(args, "strict", False),
+                   max_jobs=int(os.environ.get("MAX_JOBS", "2")), release=getattr(args, "release", False),
                    layers=not getattr(args, "no_layer_sizes", False))
 
 
@@ -294,7 +302,7 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print,
     started = time.monotonic()
     stages = stages_until(options.target)
     check_inputs(layout)
-    _stage_flashinfer_artifacts(layout, options, log)
+    staged = _stage_flashinfer_artifacts(layout, options, log)
     engine = engine or engine_step.ensure_engine(options.engine, log)
     builder = Builder(layout, engine, options, log)
     if report_dir is not None:
@@ -323,7 +331,9 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print,
         if stage == "runtime":
             assert manifest is not None and aot is not None
             runtime_args = {**args, **labels_mod.build_args(manifest, aot.get("status", "unknown")),
-                            "FLASHINFER_CUBIN_DIR": aot.get("cubin_dir", ""), **provenance(layout.repo),
+                            "FLASHINFER_CUBIN_DIR": aot.get("cubin_dir", ""),
+                            "VLLM_HAS_FLASHINFER_CUBIN": "1" if aot.get("status") == "built" else "0",
+                            **provenance(layout.repo),
                             "BASE_NAME": base_name, "BASE_DIGEST": baseimage.digest(engine, base_ref) or "unknown",
                             "IMAGE_VERSION": options.tag.rsplit(":", 1)[-1]}
             report["labels_args"] = {k: runtime_args[k] for k in ("IMAGE_REVISION", "IMAGE_CREATED", "IMAGE_SOURCE",
@@ -332,6 +342,8 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print,
         else:
             tag = builder.build_stage(stage, args)
             if stage == "sources":
+                if options.release:
+                    _check_release_pins(builder, tag, staged)
                 manifest = builder.read_json(tag, "/work/trees/manifest.json")
                 # The checker is the repository's (mounted read-only), so editing it never rebuilds the stage.
                 check = builder.run(tag, ["-m", "imagectl.selftest", "--stage", "sources"],
@@ -346,8 +358,8 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print,
                 if aot.get("status") != "built":
                     log(f"image    NOTE: FlashInfer {aot.get('module')} was NOT compiled ahead of time: {aot.get('reason')}")
                     log(f"image    NOTE: {aot.get('consequence')}")
-                    if options.strict:
-                        raise DistBuildError(f"STRICT=1: the flashinfer-wheel stage compiled no FlashInfer module "
+                    if options.release:
+                        raise DistBuildError(f"RELEASE=1: the flashinfer-wheel stage compiled no FlashInfer module "
                                              f"({aot.get('reason')}); missing: {', '.join(aot.get('missing', [])[:5])}")
     final = options.tag if options.target == "runtime" else STAGE_TAG.format(stage=options.target)
     report["image"] = final
@@ -396,20 +408,52 @@ def lock_debian(layout: Layout, options: Options, log: Callable[[str], None] = p
     return 0
 
 
+FETCH_HINT = "run `make flashinfer-artifacts [FLASHINFER_MIRROR=url-or-folder]`"
+
+
 def _stage_flashinfer_artifacts(layout: Layout, options: Options, log: Callable[[str], None]):
-    """The cached FlashInfer artifact set into the build context (flashinfer_artifacts.stage)."""
+    """The cached FlashInfer artifact set into the build context (flashinfer_artifacts.stage);
+    a release without a complete set stops here, before any stage is built."""
     from . import flashinfer_artifacts as fa
 
     status = fa.stage(layout.cache / fa.CACHE_SUBDIR, layout.repo / "build" / fa.CACHE_SUBDIR, log)
     if not status.complete:
         log(f"image    NOTE: no complete FlashInfer artifact set in {status.root}: {status.missing[0]}"
-            f"{f' and {len(status.missing) - 1} more' if len(status.missing) > 1 else ''}; the image will carry "
-            "no AOT FlashInfer modules and no cubins (`make flashinfer-artifacts` fetches them)")
-        if options.strict:
-            raise DistBuildError(f"STRICT=1: no complete FlashInfer artifact set in {status.root} "
-                                 f"({len(status.missing)} missing, first {status.missing[0]}); "
-                                 "run `make flashinfer-artifacts [FLASHINFER_MIRROR=url-or-folder]`")
+            f"{f' and {len(status.missing) - 1} more' if len(status.missing) > 1 else ''}; this will be a "
+            f"{_imagectl().DEVELOPMENT} (no AOT FlashInfer modules, no cubins; `make flashinfer-artifacts` "
+            "fetches them)")
+        if options.release:
+            raise DistBuildError(f"RELEASE=1: no complete FlashInfer artifact set in {status.root} "
+                                 f"({len(status.missing)} missing: {', '.join(status.missing[:5])}); {FETCH_HINT}")
     return status
+
+
+# The files of the patched FlashInfer tree that carry the artifact pins (flashinfer_artifacts.read_pins).
+PIN_FILES = ("flashinfer/artifacts.py", "flashinfer/jit/cubin_loader.py")
+
+
+def _check_release_pins(builder: "Builder", sources_tag: str, staged) -> None:
+    """A release's staged set against the pins of the patched tree the sources stage made: a set
+    fetched for another FlashInfer would leave the flashinfer-wheel stage nothing to compile."""
+    import tempfile
+
+    from . import flashinfer_artifacts as fa
+
+    with tempfile.TemporaryDirectory(prefix="glm53-flashinfer-pins-") as tmp:
+        for name in PIN_FILES:
+            done = builder.run(sources_tag, [f"/work/src/flashinfer/{name}"], entrypoint="cat")
+            if done.returncode != 0:
+                raise DistBuildError(f"{sources_tag}: cannot read /work/src/flashinfer/{name}: "
+                                     f"{done.stderr.strip()[-300:]}")
+            (Path(tmp) / name).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / name).write_text(done.stdout)
+        pins = fa.read_pins(Path(tmp))
+    problems = fa.release_problems(staged, pins)
+    if problems:
+        raise DistBuildError(f"RELEASE=1: the staged FlashInfer artifact set does not match the patched tree: "
+                             f"{'; '.join(problems)}; {FETCH_HINT}")
+    builder.log(f"image    release: the staged artifact set matches the patched tree's pins "
+                f"({', '.join(a.key for a in pins.artifacts)})")
 
 
 def _write_report(out: Path, report: dict, started: float) -> None:

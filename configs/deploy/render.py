@@ -8,8 +8,10 @@
 A thin wrapper: the cell is the Helm chart in configs/deploy/chart (values.yaml, its
 values.schema.json, and the `fail` checks of templates/_helpers.tpl enforce the invariants);
 this runs `helm template` on it and then check_rendered() re-reads the rendered objects:
-remote_url's {rank} expansions and the shard Services must match one to one. `helm install`
-or Argo CD/Flux can use the chart directly; this is for CI and for a look before applying.
+remote_url's {rank} expansions and the shard Services must match one to one, and each engine's
+startup probe outlasts its VLLM_ENGINE_READY_TIMEOUT_S. `helm install` or Argo CD/Flux can use
+the chart directly (or its self-contained package: `make chart`); this is for CI and for a look
+before applying.
 
 Helm: $DIST_HELM, else work/tools/bin/helm (make test installs it), else helm on PATH.
 """
@@ -32,6 +34,9 @@ CELL = "glm53"
 RELEASE = "glm53"
 VALKEY = "valkey-lmcache"
 DEFAULT_NAMESPACE = "vllm"
+# The least the startup probe must outlast VLLM_ENGINE_READY_TIMEOUT_S by (the schema's minimum of
+# engineStartup.marginSecs): the API server's own start before and after the engine core's.
+STARTUP_MARGIN_S = 60
 SCHEMA_LINE = re.compile(r"^- at '(?P<path>[^']*)': (?P<why>.+)$", re.MULTILINE)
 
 
@@ -62,8 +67,8 @@ def _helm_error(stderr: str) -> str:
 
 
 def helm_template(sets: list[str] = (), values: list[Path] = (), namespace: str = DEFAULT_NAMESPACE,
-                  chart: Path = CHART) -> str:
-    cmd = [helm_binary(), "template", RELEASE, str(chart), "--namespace", namespace]
+                  chart: Path = CHART, release: str = RELEASE) -> str:
+    cmd = [helm_binary(), "template", release, str(chart), "--namespace", namespace]
     for path in values:
         cmd += ["--values", str(path)]
     for assignment in sets:
@@ -75,9 +80,9 @@ def helm_template(sets: list[str] = (), values: list[Path] = (), namespace: str 
 
 
 def render(sets: list[str] = (), values: list[Path] = (), namespace: str = DEFAULT_NAMESPACE,
-           chart: Path = CHART) -> list[dict]:
+           chart: Path = CHART, release: str = RELEASE) -> list[dict]:
     """All objects of the cell, as Helm renders them, checked."""
-    docs = [d for d in yaml.safe_load_all(helm_template(sets, values, namespace, chart)) if d]
+    docs = [d for d in yaml.safe_load_all(helm_template(sets, values, namespace, chart, release)) if d]
     check_rendered(docs)
     return docs
 
@@ -111,6 +116,29 @@ def check_rendered(docs: list[dict]) -> None:
     shards = [d for d in docs if d.get("kind") == "StatefulSet" and d["metadata"]["name"] == VALKEY]
     if len(shards) != 1 or shards[0]["spec"]["replicas"] != ranks:
         raise RenderError(f"expected one StatefulSet {VALKEY} with {ranks} replicas (one per prefill rank)")
+    for name, budget, timeout in startup_budgets(docs):
+        if budget < timeout + STARTUP_MARGIN_S:
+            raise RenderError(f"{name}: the startup probe gives {budget} s, not more than VLLM_ENGINE_READY_TIMEOUT_S "
+                              f"({timeout} s) + {STARTUP_MARGIN_S} s: the kubelet would restart the engine before "
+                              "vLLM's own timeout names what it waited for")
+
+
+def startup_budgets(docs: list[dict]) -> list[tuple[str, int, int]]:
+    """(StatefulSet, startup probe periodSeconds x failureThreshold, the container's
+    VLLM_ENGINE_READY_TIMEOUT_S or vLLM's default 600) of each engine role, from the rendered objects."""
+    found = []
+    for doc in docs:
+        if doc.get("kind") != "StatefulSet" or doc["metadata"]["name"] == VALKEY:
+            continue
+        for c in doc["spec"]["template"]["spec"]["containers"]:
+            probe = c.get("startupProbe")
+            if not probe:
+                continue
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            timeout = int(env.get("VLLM_ENGINE_READY_TIMEOUT_S") or 600)
+            found.append((doc["metadata"]["name"], probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3),
+                          timeout))
+    return found
 
 
 # --------------------------------------------------------------------------
@@ -128,8 +156,8 @@ def _str(dumper: yaml.SafeDumper, value: str):
 
 _Dumper.add_representer(str, _str)
 
-FILES = ["00-cluster.yaml", "01-config.yaml", "10-valkey.yaml", "20-prefill.yaml", "30-decode.yaml",
-         "40-proxy.yaml", "50-monitoring.yaml"]
+FILES = ["00-cluster.yaml", "01-config.yaml", "10-valkey.yaml", "15-cache-warming.yaml", "20-prefill.yaml",
+         "30-decode.yaml", "40-proxy.yaml", "50-monitoring.yaml"]
 
 
 def dump(docs: list[dict]) -> str:
@@ -150,7 +178,8 @@ def split(docs: list[dict]) -> dict[str, list[dict]]:
             out["10-valkey.yaml"].append(doc)
         else:
             component = labels.get("app.kubernetes.io/component")
-            name = {"prefill": "20-prefill.yaml", "decode": "30-decode.yaml", "pd-proxy": "40-proxy.yaml"}[component]
+            name = {"prefill": "20-prefill.yaml", "decode": "30-decode.yaml", "pd-proxy": "40-proxy.yaml",
+                    "cache-warming": "15-cache-warming.yaml"}[component]
             out[name].append(doc)
     return {name: part for name, part in out.items() if part}
 
@@ -162,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
                     help="one value, Helm's --set syntax, e.g. --set prefill.replicas=2")
     ap.add_argument("-n", "--namespace", default=DEFAULT_NAMESPACE, help="the cell's namespace (default: vllm)")
+    ap.add_argument("--release", default=RELEASE, help="the Helm release's name (default: glm53); the PriorityClass "
+                    "is named <release>.<namespace>")
     ap.add_argument("--chart", type=Path, default=CHART, help="the chart (default: configs/deploy/chart)")
     ap.add_argument("--configs", type=Path, help="a configs/ folder: render its deploy/chart (whose files/ link "
                     "to its prefill/ and decode/)")
@@ -169,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         chart = args.configs / "deploy" / "chart" if args.configs is not None else args.chart
-        docs = render(args.sets, args.values, args.namespace, chart)
+        docs = render(args.sets, args.values, args.namespace, chart, args.release)
     except RenderError as e:
         print(f"render: error: {e}", file=sys.stderr)
         return 2

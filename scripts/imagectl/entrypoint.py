@@ -6,7 +6,9 @@
     IMAGE prefill|decode|aggregated MODEL [flags]
                                             the role preset from /etc/glm53/<role>/ (env + vllm.yaml),
                                             after the preflight (--skip-preflight or
-                                            GLM53_SKIP_PREFLIGHT=1 skips it)
+                                            GLM53_SKIP_PREFLIGHT=1 skips it); prints the start of
+                                            each cold-start phase and a summary (GLM53_PHASE_LOG=0:
+                                            exec vLLM instead; =1: follow any command)
     IMAGE preflight ROLE [MODEL]            only the preflight: /dev/shm, /cache, JIT toolchain, NIXL,
                                             FlashInfer artifacts, GPU, the model's config.json
     IMAGE self-test [--json] [--strict]     check the image without a GPU (one-screen report)
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import identity, presets
@@ -32,6 +34,9 @@ TOOLS = ("replay", "valkey-stats", "needle", "profile-capture", "kv-sizing")
 PASSTHROUGH = ("bash", "sh", "python", "python3", "pip", "vllm")
 SKIP_FLAG = "--skip-preflight"
 SKIP_ENV = "GLM53_SKIP_PREFLIGHT"
+# Follow the command's output for its cold-start phases (imagectl/phases.py): on by default
+# for a role preset, "0" turns it off; "1" turns it on for any command (e.g. a wrapper of vllm).
+PHASE_ENV = "GLM53_PHASE_LOG"
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class Plan:
     text: str | None = None
     exit_code: int = 0
     preflight: tuple[str, str] | None = None   # (role, model) to check before exec
+    follow: bool = False   # run it as a child and log its cold-start phases instead of exec
 
 
 def _is_program(head: str) -> bool:
@@ -71,7 +77,8 @@ def plan(args: list[str], environ: dict[str, str], home: Path = HOME, config_roo
         except presets.PresetError as exc:
             return Plan([], text=f"{exc}\n", exit_code=2)
         updates = {k: v for k, v in env.items() if k not in environ}
-        return Plan(preset.command(model, rest), env=updates, preflight=None if skip else (head, model))
+        return Plan(preset.command(model, rest), env=updates, preflight=None if skip else (head, model),
+                    follow=environ.get(PHASE_ENV, "1") != "0")
     if head == "preflight":
         return Plan([sys.executable, "-m", "imagectl.preflight", *rest])
     if head == "serve":
@@ -101,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"entrypoint: {key}={who[key]} (uid {os.getuid()} has no usable passwd entry or HOME)", file=sys.stderr)
     os.environ.update(who)
     chosen = plan(list(sys.argv[1:] if argv is None else argv), dict(os.environ))
+    if os.environ.get(PHASE_ENV) == "1" and chosen.argv:
+        chosen = replace(chosen, follow=True)
     if chosen.text is not None:
         (sys.stderr if chosen.exit_code else sys.stdout).write(chosen.text)
         return chosen.exit_code
@@ -114,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         if preflight.preflight(role, model, env, config_root=CONFIG_ROOT) != 0:
             print(f"entrypoint: the preflight failed; {role} not started (fix above, or {SKIP_FLAG})", file=sys.stderr)
             return 1
+    if chosen.follow:
+        from . import phases
+
+        print(f"entrypoint: run {' '.join(chosen.argv)} (cold-start phases below; {PHASE_ENV}=0 execs it)",
+              file=sys.stderr, flush=True)
+        return phases.run(chosen.argv, env)
     print(f"entrypoint: exec {' '.join(chosen.argv)}", file=sys.stderr, flush=True)
     try:
         os.execvpe(chosen.argv[0], chosen.argv, env)

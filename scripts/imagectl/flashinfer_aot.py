@@ -16,8 +16,9 @@ copied to ``OUT/aot/<module>/<module>.so``, where ``flashinfer.jit.env.get_aot_p
 finds it. The runtime stage carries ``OUT/cubins`` as ``FLASHINFER_CUBIN_DIR``.
 
 Without a complete set nothing is compiled; the status file says ``missing``,
-what is missing and what that costs on the GPU node, and the stage succeeds
-(``make image STRICT=1`` then fails). A corrupt staged file or a failed compile
+what is missing and what that costs on the GPU node (``DEVELOPMENT``: the image
+then needs FlashInfer's artifact store at first use), and the stage succeeds
+(``make image RELEASE=1`` then fails). A corrupt staged file or a failed compile
 is an error (exit 1).
 
 ``check_cubin_dir`` is the run-time check (preflight, self-test): stdlib only.
@@ -38,6 +39,8 @@ MODULE = "fused_moe_trtllm_sm100"          # the status file's headline module (
 IMAGE_CUBIN_DIR = "/opt/flashinfer/cubins"  # where the runtime stage puts OUT/cubins
 RECORD = "flashinfer-artifacts.json"        # distbuild.flashinfer_artifacts.RECORD
 MANIFEST = "checksums.txt"
+# What an image built without the set is (its io.glm53.image.kind label, the self-test, the preflight).
+DEVELOPMENT = "development image: needs FlashInfer's artifact store at first use"
 
 
 @dataclass(frozen=True)
@@ -62,11 +65,12 @@ MODULES = (
 
 def consequence(store: str, missing_artifacts: list[str]) -> str:
     names = ", ".join(m.name for m in MODULES)
-    return (f"nothing is compiled ahead of time: on the GPU node FlashInfer JIT-compiles {names} at first use "
-            f"(minutes each with the image's nvcc, per container start unless /cache persists) and downloads "
-            f"{', '.join(missing_artifacts)} (headers and every cubin a kernel needs) from {store}; a node without "
-            f"access to that store fails at the first fused-MoE or sparse-MLA call (with the presets' pinned backends: "
-            f"at start). Fix: `make flashinfer-artifacts [FLASHINFER_MIRROR=url-or-folder]`, then `make image`.")
+    return (f"{DEVELOPMENT}: nothing is compiled ahead of time: on the GPU node FlashInfer JIT-compiles "
+            f"{names} at first use (minutes each with the image's nvcc, per container start unless /cache "
+            f"persists) and downloads {', '.join(missing_artifacts)} (headers and every cubin a kernel needs) "
+            f"from {store}; a node without access to that store fails at the first fused-MoE or sparse-MLA call "
+            f"(with the presets' pinned backends: at start). Fix: `make flashinfer-artifacts "
+            f"[FLASHINFER_MIRROR=url-or-folder]`, then `make image RELEASE=1`.")
 
 
 def write_status(path: Path, status: dict) -> None:
@@ -91,13 +95,31 @@ def _manifest_entries(path: Path) -> dict[str, str]:
     return entries
 
 
-def check_cubin_dir(cubin_dir: str | os.PathLike[str] | None = None, deep: bool = False) -> list[str]:
+def pinned_artifacts(status: dict) -> dict[str, str]:
+    """Artifact folder -> manifest sha256 that the image's FlashInfer pins (its status file's
+    ``artifacts``, written from the compiled tree's ``flashinfer/artifacts.py``)."""
+    return {entry["path"]: entry["manifest_sha256"] for entry in (status.get("artifacts") or {}).values()
+            if isinstance(entry, dict) and "path" in entry and "manifest_sha256" in entry}
+
+
+def set_summary(cubin_dir: str | os.PathLike[str]) -> str:
+    """``2 artifact(s) (TRTLLM_GEN_BMM, TRTLLM_GEN_FMHA), 1234 file(s)`` from a complete set's record."""
+    record = json.loads((Path(cubin_dir) / RECORD).read_text())
+    artifacts = record.get("artifacts", [])
+    files = sum(int(a.get("files", 0)) for a in artifacts)
+    return f"{len(artifacts)} artifact(s) ({', '.join(a.get('key', '?') for a in artifacts)}), {files} file(s)"
+
+
+def check_cubin_dir(cubin_dir: str | os.PathLike[str] | None = None, deep: bool = False,
+                    pinned: dict[str, str] | None = None) -> list[str]:
     """Problems with the artifact set FlashInfer will read (``[]``: complete, nothing to download).
 
     ``cubin_dir`` defaults to ``$FLASHINFER_CUBIN_DIR``; unset or empty means
     the image carries no set. Checks the set's record, each manifest against
     the sha256 the build verified it with, and that every listed file is there
     (``deep``: re-hashed too; that reads every cubin, so not for a start-up check).
+    ``pinned`` (``pinned_artifacts`` of the image's status file): the set must hold
+    each of these manifests, so a mounted set fetched for another FlashInfer is refused.
     """
     chosen = os.fspath(cubin_dir) if cubin_dir is not None else os.environ.get("FLASHINFER_CUBIN_DIR", "")
     if not chosen:
@@ -129,6 +151,11 @@ def check_cubin_dir(cubin_dir: str | os.PathLike[str] | None = None, deep: bool 
                 problems.append(f"{path}: sha256 does not match {manifest}")
     if not record.get("artifacts"):
         problems.append(f"{record_path}: lists no artifacts")
+    held = {entry.get("path"): entry.get("manifest_sha256") for entry in record.get("artifacts", [])}
+    for path, sha in (pinned or {}).items():
+        if held.get(path) != sha:
+            problems.append(f"{record_path}: holds no {path}{MANIFEST} with sha256 {sha[:12]}, which this image's "
+                            "FlashInfer pins (a set fetched for another FlashInfer)")
     return problems
 
 

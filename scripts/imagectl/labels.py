@@ -8,6 +8,17 @@ from __future__ import annotations
 import hashlib
 
 UPSTREAMS = ("lmcache", "flashinfer", "vllm")
+from .flashinfer_aot import DEVELOPMENT
+
+# What an image is: a release carries FlashInfer's artifact set (make image RELEASE=1 requires
+# it); without it, DEVELOPMENT, in the words the self-test and the preflight use too.
+RELEASE = "release: FlashInfer's artifact set and AOT modules baked in"
+
+
+def image_kind(aot_status: str) -> str:
+    """The ``io.glm53.image.kind`` label: release only when the FlashInfer modules were built
+    from a complete artifact set (the flashinfer-wheel stage's status ``built``)."""
+    return RELEASE if aot_status == "built" else DEVELOPMENT
 
 
 def series_sha256(manifest: dict) -> str:
@@ -19,7 +30,8 @@ def series_sha256(manifest: dict) -> str:
 
 def build_args(manifest: dict, aot_status: str) -> dict[str, str]:
     upstreams = manifest.get("upstreams", {})
-    args = {"PATCH_SERIES_SHA256": series_sha256(manifest), "FLASHINFER_AOT": aot_status}
+    args = {"PATCH_SERIES_SHA256": series_sha256(manifest), "FLASHINFER_AOT": aot_status,
+            "IMAGE_KIND": image_kind(aot_status)}
     for name in UPSTREAMS:
         args[f"{name.upper()}_PATCHED_TREE"] = upstreams.get(name, {}).get("patched_tree", "unknown")
     return args
@@ -31,6 +43,7 @@ LABEL_OF_ARG = {
     "FLASHINFER_PATCHED_TREE": "io.glm53.flashinfer.patched-tree",
     "VLLM_PATCHED_TREE": "io.glm53.vllm.patched-tree",
     "FLASHINFER_AOT": "io.glm53.flashinfer.fused-moe-aot",
+    "IMAGE_KIND": "io.glm53.image.kind",
 }
 
 

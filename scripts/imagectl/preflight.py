@@ -8,8 +8,11 @@ into a start, or not at all:
 - ``/cache`` is writable by this UID;
 - the JIT toolchain answers: ``$CUDA_HOME/bin/nvcc`` is CUDA 13.0, a C++ compiler and
   ``Python.h`` are there (FlashInfer, DeepGEMM and Triton compile at first use);
-- the NIXL backends the role's preset names instantiate;
-- FlashInfer's artifact set (``FLASHINFER_CUBIN_DIR``) is present;
+- the NIXL backends the role's preset names instantiate; with LIBFABRIC, libfabric's ``efa``
+  provider enumerates every EFA device the pod was given (``fi_info -p efa``);
+- FlashInfer's artifact set (``FLASHINFER_CUBIN_DIR``) is complete for this image's FlashInfer;
+  without one (a development image) every role fails unless ``GLM53_FLASHINFER_DOWNLOAD=1``
+  accepts the download at first use and FlashInfer's store answers within 5 s;
 - where a GPU is visible: compute capability 10.3 (the image's kernels are sm_103a) and a
   CUDA 13 driver; without one, a warning that says the GPU checks were skipped;
 - the model's ``config.json``: an architecture the presets serve (``GlmMoeDsaForCausalLM``)
@@ -28,14 +31,19 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from .flashinfer_aot import DEVELOPMENT, check_cubin_dir, pinned_artifacts, set_summary
 from .presets import ROLES
 
 CONFIG_ROOT = Path(os.environ.get("GLM53_CONFIGS", "/etc/glm53"))
+HOME = Path(os.environ.get("GLM53_HOME", "/opt/glm53"))
 GIB = 1 << 30
 # /dev/shm per role. NCCL's shared-memory transport between the 8 ranks and vLLM's
 # shared-memory message queues live there; vLLM's own multi-GPU recipes run with
@@ -243,23 +251,156 @@ def check_nixl(backends: list[str], probe: Callable[[tuple[str, ...]], tuple[dic
     return Check("nixl backends", "PASS", f"{', '.join(backends)} instantiated{suffix}")
 
 
-def check_flashinfer_artifacts(environ: dict[str, str]) -> Check:
-    """FlashInfer's verified artifact set (trtllm-gen cubins and headers), which the image carries in
-    FLASHINFER_CUBIN_DIR when it was built with one; without it FlashInfer downloads at first use."""
+# ``fi_info -p efa``: libfabric's efa provider, one domain per EFA device and endpoint type
+# (``<device>-rdm``, ``<device>-dgrm``; libfabric 2.x lists the rdm one under both its efa and
+# efa-direct fabrics). Without EFA devices it prints ``fi_getinfo: -61 (No data available)``.
+EFA_DEVICES_ENV = "GLM53_EFA_DEVICES"
+EFA_DOMAIN = re.compile(r"^\s*domain:\s*(\S+?)(?:-rdm|-dgrm)?\s*$")
+EFA_FIX = ("the image's libfabric 2.1.0 enumerates EFA devices through libibverbs and the efa provider of "
+           "Debian's rdma-core (docs/image.md: NIXL over EFA): check `fi_info -p efa` and `ibv_devices` in the "
+           "container, the EFA kernel driver on the node, and that the pod's vpc.amazonaws.com/efa devices "
+           f"are all passed (--device /dev/infiniband/uverbsN); {EFA_DEVICES_ENV}=N states the count expected")
+
+
+def requested_efa(environ: dict[str, str], infiniband: Path = Path("/dev/infiniband")) -> tuple[int, str]:
+    """How many EFA devices the pod asked for: ``GLM53_EFA_DEVICES`` when set, else the
+    ``uverbs*`` devices in the container (the EFA device plugin passes exactly the ones a pod's
+    ``vpc.amazonaws.com/efa`` request was given). ValueError names a bad value."""
+    value = environ.get(EFA_DEVICES_ENV, "").strip()
+    if value:
+        if not value.isdigit():
+            raise ValueError(f"{EFA_DEVICES_ENV}={value!r} is not a device count")
+        return int(value), f"{EFA_DEVICES_ENV}={int(value)}"
+    found = sorted(p.name for p in infiniband.glob("uverbs*")) if infiniband.is_dir() else []
+    return len(found), f"{len(found)} {infiniband}/uverbs* device(s) in the container"
+
+
+def efa_devices(fi_info_output: str) -> list[str]:
+    """The EFA devices in ``fi_info -p efa`` output (its default short format): the domain of each
+    entry whose provider is efa, less the endpoint-type suffix, each once."""
+    found: list[str] = []
+    provider = ""
+    for line in fi_info_output.splitlines():
+        if line.startswith("provider:"):
+            provider = line.split(":", 1)[1].strip()
+            continue
+        match = EFA_DOMAIN.match(line)
+        if match and "efa" in provider.split(";") and match.group(1) not in found:
+            found.append(match.group(1))
+    return found
+
+
+def run_fi_info(fi_info: str = "fi_info", timeout: float = 30) -> tuple[int, str]:
+    """``fi_info -p efa``: exit status and output (127 and why when it cannot run)."""
+    binary = shutil.which(fi_info)
+    if binary is None:
+        return 127, f"{fi_info}: not found on PATH (the image links /opt/libfabric/bin/fi_info into /usr/local/bin)"
+    try:
+        done = subprocess.run([binary, "-p", "efa"], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 127, f"{binary} -p efa: {exc}"
+    return done.returncode, done.stdout + done.stderr
+
+
+def check_efa(backends: list[str], environ: dict[str, str], fi_info: Callable[[], tuple[int, str]] = run_fi_info,
+              infiniband: Path = Path("/dev/infiniband"), gpu_visible: bool = True) -> Check:
+    """With NIXL's LIBFABRIC backend, libfabric's efa provider must enumerate at least the EFA
+    devices the pod asked for: a device it cannot open (libefa too old for it, a missing device
+    node) leaves NIXL on fewer rails, and with none on TCP, without an error."""
+    if "LIBFABRIC" not in backends:
+        return Check("efa devices", "PASS", "the preset's NIXL backends do not use EFA")
+    try:
+        wanted, source = requested_efa(environ, infiniband)
+    except ValueError as exc:
+        return Check("efa devices", "FAIL", str(exc), f"{EFA_DEVICES_ENV} is the pod's vpc.amazonaws.com/efa count")
+    if wanted == 0:
+        return Check("efa devices", "FAIL" if gpu_visible else "WARN",
+                     f"no EFA device asked for ({source}, {EFA_DEVICES_ENV} unset): LIBFABRIC would carry the KV "
+                     "over TCP" + ("" if gpu_visible else " (no GPU visible: GPU checks skipped)"), EFA_FIX)
+    status, output = fi_info()
+    found = efa_devices(output) if status == 0 else []
+    if len(found) < wanted:
+        said = output.strip().splitlines()[-1] if output.strip() and not found else ", ".join(found)
+        return Check("efa devices", "FAIL", f"fi_info -p efa enumerates {len(found)} EFA device(s) ({said or 'none'}), "
+                     f"fewer than the {wanted} asked for ({source}): libfabric would use only those, or fall back "
+                     "to TCP without an error", EFA_FIX)
+    return Check("efa devices", "PASS", f"fi_info -p efa enumerates {len(found)} EFA device(s) "
+                 f"({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}) for the {wanted} asked for ({source})")
+
+
+DOWNLOAD_ENV = "GLM53_FLASHINFER_DOWNLOAD"
+PROBE_TIMEOUT_S = 5.0
+ARTIFACT_FIX = ("run a release image (`make flashinfer-artifacts`, then `make image RELEASE=1`), or mount a set "
+                "`make flashinfer-artifacts` verified for this image's FlashInfer and set FLASHINFER_CUBIN_DIR to it "
+                f"with VLLM_HAS_FLASHINFER_CUBIN=1; on a node that reaches FlashInfer's store, {DOWNLOAD_ENV}=1 "
+                f"accepts the download at first use (the store must then answer within {PROBE_TIMEOUT_S:.0f} s)")
+
+
+def image_aot_status(path: Path | None = None) -> dict:
+    """The flashinfer-wheel stage's status file in the image ({} where there is none)."""
+    try:
+        return json.loads((path or HOME / "flashinfer-aot.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def probe_store(url: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[bool, str]:
+    """A GET of the store's base URL, as vLLM's own has_nvidia_artifactory() does, bounded to
+    ``timeout`` seconds in all (name resolution included): (answered, what happened)."""
+    result: list[tuple[bool, str]] = []
+
+    def ask() -> None:
+        started = time.monotonic()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout) as answer:
+                result.append((True, f"HTTP {answer.status} in {time.monotonic() - started:.1f} s"))
+        except urllib.error.HTTPError as exc:
+            result.append((False, f"HTTP {exc.code} {exc.reason}"))
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            result.append((False, str(getattr(exc, "reason", None) or exc)))
+
+    worker = threading.Thread(target=ask, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return result[0] if result else (False, f"no answer within {timeout:.0f} s")
+
+
+def check_flashinfer_artifacts(role: str, environ: dict[str, str], aot: dict | None = None,
+                               probe: Callable[[str], tuple[bool, str]] = probe_store) -> Check:
+    """FlashInfer's trtllm-gen headers and cubins, which every preset's pinned backends
+    (flashinfer_trtllm MoE, FLASHINFER_MLA_SPARSE) need: a release image carries the set in
+    FLASHINFER_CUBIN_DIR. A development image has none, and FlashInfer would fetch it at the first
+    fused-MoE call, after the weights loaded: refused unless the operator accepts that
+    (GLM53_FLASHINFER_DOWNLOAD=1) and the store answers now."""
+    name = "flashinfer artifacts"
+    aot = image_aot_status() if aot is None else aot
     cubin_dir = environ.get("FLASHINFER_CUBIN_DIR", "")
-    if not cubin_dir:
-        return Check("flashinfer artifacts", "WARN", "FLASHINFER_CUBIN_DIR is unset: this image has no FlashInfer "
-                     "artifact set, so FlashInfer downloads trtllm-gen cubins from its store at first use (an "
-                     "air-gapped node fails there)",
-                     "build the image with the set (`make flashinfer-artifacts`, then `make image`), or mount a "
-                     "verified set and set FLASHINFER_CUBIN_DIR to it")
-    root = Path(cubin_dir)
-    files = [p for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
-    if not files:
-        return Check("flashinfer artifacts", "FAIL", f"FLASHINFER_CUBIN_DIR={cubin_dir} is "
-                     + ("empty" if root.is_dir() else "missing"),
-                     "point FLASHINFER_CUBIN_DIR at the image's set (/opt/flashinfer/cubins) or a mounted one")
-    return Check("flashinfer artifacts", "PASS", f"{len(files)} files under {cubin_dir}")
+    if cubin_dir:
+        problems = check_cubin_dir(cubin_dir, pinned=pinned_artifacts(aot))
+        if problems:
+            more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+            return Check(name, "FAIL", f"FLASHINFER_CUBIN_DIR={cubin_dir}: {'; '.join(problems[:3])}{more}",
+                         ARTIFACT_FIX)
+        summary = f"{set_summary(cubin_dir)} in {cubin_dir}"
+        if environ.get("VLLM_HAS_FLASHINFER_CUBIN") != "1":
+            return Check(name, "WARN", f"{summary}, but VLLM_HAS_FLASHINFER_CUBIN is not 1: vLLM probes FlashInfer's "
+                         "store before it uses TRTLLM attention and, without an answer, turns it off",
+                         "set VLLM_HAS_FLASHINFER_CUBIN=1 beside FLASHINFER_CUBIN_DIR")
+        return Check(name, "PASS", f"{summary}, VLLM_HAS_FLASHINFER_CUBIN=1")
+    absent = (f"{DEVELOPMENT}: FLASHINFER_CUBIN_DIR is unset, so FlashInfer downloads its trtllm-gen headers and "
+              "cubins at the first fused-MoE or sparse-MLA call, after the weights loaded")
+    if environ.get(DOWNLOAD_ENV, "") != "1":
+        return Check(name, "FAIL", f"{absent}; a node without access to its store fails there", ARTIFACT_FIX)
+    store = environ.get("FLASHINFER_CUBINS_REPOSITORY") or aot.get("artifact_store")
+    if not store:
+        return Check(name, "FAIL", f"{absent}; {DOWNLOAD_ENV}=1, but no store to check: FLASHINFER_CUBINS_REPOSITORY "
+                     "is unset and the image's flashinfer-aot.json names none", ARTIFACT_FIX)
+    answered, how = probe(store)
+    if not answered:
+        return Check(name, "FAIL", f"{absent}; {DOWNLOAD_ENV}=1, but FlashInfer's store {store} did not answer: {how}",
+                     ARTIFACT_FIX)
+    return Check(name, "WARN", f"{absent}; {DOWNLOAD_ENV}=1 and FlashInfer's store {store} answered ({how}): "
+                 f"the {role} engine downloads there at first use", ARTIFACT_FIX)
 
 
 def nvidia_smi() -> str | None:
@@ -300,15 +441,18 @@ def check_gpu(smi: str | None) -> Check:
     return Check("gpu", "PASS", f"{len(gpus)} x {gpus[0][0]} (10.3), driver {gpus[0][2]}, CUDA {cuda.group(1)}.{cuda.group(2)}")
 
 
-def check_model(model: str | None) -> Check:
-    """The model's config.json against what the presets serve (configs/README.md, "Kernels and model")."""
+def check_model(model: str | None, offline: bool = False) -> Check:
+    """The model's config.json against what the presets serve (configs/README.md, "Kernels and model").
+    ``offline``: HF_HUB_OFFLINE=1 (the presets set it), so a hub id is only looked up in HF_HOME."""
     fix = "serve GLM-5.3 FP8 (GlmMoeDsaForCausalLM) with these presets, or run `IMAGE vllm serve ...` without them"
     if not model:
         return Check("model", "FAIL", "no model given", "pass the model folder: IMAGE <role> /models/GLM-5.3-FP8")
     config_path = Path(model) / "config.json"
     if not Path(model).is_dir():
-        return Check("model", "WARN", f"{model} is not a local folder: its architecture is checked by vLLM only "
-                     "after it is downloaded", "mount the weights and pass the folder (-v /models:/models:ro)")
+        how = ("with HF_HUB_OFFLINE=1 (the preset's) it must already be in HF_HOME's cache, nothing is downloaded"
+               if offline else "its architecture is checked by vLLM only after it is downloaded")
+        return Check("model", "WARN", f"{model} is not a local folder: {how}",
+                     "mount the weights and pass the folder (-v /models:/models:ro)")
     try:
         config = json.loads(config_path.read_text())
     except FileNotFoundError:
@@ -346,7 +490,9 @@ def check_model(model: str | None) -> Check:
 
 def run_checks(role: str, model: str | None, environ: dict[str, str], config_root: Path = CONFIG_ROOT,
                shm: Path = Path("/dev/shm"), cache: Path = Path("/cache"),
-               probe: Callable | None = None, smi: Callable[[], str | None] = nvidia_smi) -> list[Check]:
+               probe: Callable | None = None, smi: Callable[[], str | None] = nvidia_smi,
+               fi_info: Callable[[], tuple[int, str]] = run_fi_info, aot: dict | None = None,
+               store_probe: Callable[[str], tuple[bool, str]] = probe_store) -> list[Check]:
     if probe is None:
         from .selftest import probe_nixl_backends as probe
     checks = [check_shm(role, shm), check_cache(cache), check_scratch(environ), check_jit(environ)]
@@ -355,12 +501,13 @@ def run_checks(role: str, model: str | None, environ: dict[str, str], config_roo
     try:
         backends = preset_nixl_backends(vllm_yaml)
         checks.append(check_nixl(backends, probe, gpu_visible=gpu is not None))
+        checks.append(check_efa(backends, environ, fi_info=fi_info, gpu_visible=gpu is not None))
         checks.append(check_memlock(backends))
     except (OSError, ValueError) as exc:
         checks.append(Check("nixl backends", "FAIL", f"{vllm_yaml}: {exc}", "the image ships the presets in /etc/glm53"))
-    checks.append(check_flashinfer_artifacts(environ))
+    checks.append(check_flashinfer_artifacts(role, environ, aot=aot, probe=store_probe))
     checks.append(check_gpu(gpu))
-    checks.append(check_model(model))
+    checks.append(check_model(model, offline=environ.get("HF_HUB_OFFLINE") == "1"))
     return checks
 
 

@@ -11,6 +11,9 @@ on any WARN too):
 - LMCache's CUDA extension is installed;
 - FlashInfer resolves its fused-MoE module to the ahead-of-time build for
   sm_103a; when the build recorded that it could not make it, WARN with why;
+- what the image is: a release carries FlashInfer's artifact set complete in
+  ``FLASHINFER_CUBIN_DIR`` with ``VLLM_HAS_FLASHINFER_CUBIN=1``; a development
+  image WARNs that it needs FlashInfer's artifact store at first use;
 - ``ldd`` of the NIXL plugins finds every library (the image's libfabric 2.1.0 for
   LIBFABRIC), ``fi_info -l`` lists the efa provider, and NIXL instantiates both
   backends the presets select (LIBFABRIC and UCX);
@@ -165,6 +168,35 @@ def check_aot(aot: dict, site: Path, resolve=flashinfer_aot_path) -> Check:
     reason = aot.get("reason", "no build record")
     return Check("flashinfer fused-MoE AOT", "WARN",
                  f"MISSING {AOT_MODULE} for {arch}: {reason}. {aot.get('consequence', '')}")
+
+
+def check_artifact_set(aot: dict, environ: dict[str, str]) -> Check:
+    """What the image is. A release (the build's status ``built``) carries FlashInfer's artifact set
+    where FLASHINFER_CUBIN_DIR points, complete for its FlashInfer's pins, and tells vLLM so
+    (VLLM_HAS_FLASHINFER_CUBIN=1); a development image says so, and must not claim a set."""
+    from .flashinfer_aot import DEVELOPMENT, check_cubin_dir, pinned_artifacts, set_summary
+
+    name = "image kind"
+    cubin_dir = environ.get("FLASHINFER_CUBIN_DIR", "")
+    claims = environ.get("VLLM_HAS_FLASHINFER_CUBIN", "0")
+    if aot.get("status") != "built":
+        if claims not in ("", "0") and (not cubin_dir or check_cubin_dir(cubin_dir)):
+            return Check(name, "FAIL", f"VLLM_HAS_FLASHINFER_CUBIN={claims}, but there is no complete artifact set "
+                         f"(FLASHINFER_CUBIN_DIR={cubin_dir!r}): vLLM would take cubins as present that are not")
+        recorded = f"{aot.get('status', 'nothing')!r}: {aot.get('reason', 'no build record')}"
+        return Check(name, "WARN", f"{DEVELOPMENT} (the flashinfer-wheel stage recorded {recorded}); "
+                     "`make image RELEASE=1` refuses to make such an image")
+    problems = check_cubin_dir(cubin_dir, pinned=pinned_artifacts(aot))
+    if cubin_dir != aot.get("cubin_dir"):
+        problems.insert(0, f"FLASHINFER_CUBIN_DIR={cubin_dir!r}, but the build put the set at {aot.get('cubin_dir')}")
+    if claims != "1":
+        problems.append(f"VLLM_HAS_FLASHINFER_CUBIN={claims!r}: vLLM would probe FlashInfer's store instead of "
+                        "taking the baked set")
+    if problems:
+        return Check(name, "FAIL", "release image, but " + "; ".join(problems[:3])
+                     + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""))
+    return Check(name, "PASS", f"release: {set_summary(cubin_dir)} in {cubin_dir} for this FlashInfer's pins, "
+                 "VLLM_HAS_FLASHINFER_CUBIN=1")
 
 
 # NIXL backends the presets select: LIBFABRIC (EFA, prefill and decode on p6-b300) and UCX
@@ -539,7 +571,9 @@ def runtime_checks(home: Path, config_root: Path) -> list[Check]:
     checks.append(Check("lmcache cuda ext", "PASS" if ext else "FAIL",
                         f"{ext[0].name}, {ext[0].stat().st_size / 1e6:.1f} MB" if ext
                         else "lmcache/cuda_ops*.so missing (built without BUILD_WITH_CUDA?)"))
-    checks.append(check_aot(json.loads((home / "flashinfer-aot.json").read_text()), site))
+    aot = json.loads((home / "flashinfer-aot.json").read_text())
+    checks.append(check_aot(aot, site))
+    checks.append(check_artifact_set(aot, dict(os.environ)))
     checks.append(check_ldd(nixl_plugins(site)))
     checks.append(check_libfabric_providers())
     checks.append(check_nixl_backends(*probe_nixl_backends(NIXL_REQUIRED)))

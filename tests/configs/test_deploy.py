@@ -68,7 +68,7 @@ def test_every_option_renders_valid_manifests(no_network):
     """Exporter sidecar, UCX without the node's libfabric, a PVC cache: still valid objects
     (the Prometheus Operator's kinds are checked in tests/deploy/test_alerts.py)."""
     rendered = render_cell("monitoring.valkeyExporter.enabled=true", f"monitoring.valkeyExporter.image={VALKEY_IMAGE}",
-                           "cell.nodeLabel=", "priorityClass.create=false")
+                           "cell.nodeLabel=", "priorityClass.create=false", "priorityClass.name=shared-gpu-serving")
     assert _validate_all(rendered) == ENGINE_KINDS - {"PriorityClass"}
     assert container(by(rendered, "StatefulSet", "valkey-lmcache"), "exporter")["ports"][0]["containerPort"] == 9121
 
@@ -175,15 +175,16 @@ def test_valkey_memory_limit_covers_maxmemory(docs):
 
 
 def test_engines_have_disruption_budgets_and_every_pod_a_priority(docs):
-    for role, budget in (("prefill", 1), ("decode", 1)):
-        pdb = by(docs, "PodDisruptionBudget", f"glm53-{role}")["spec"]
+    for kind, name, budget in (("StatefulSet", "glm53-prefill", 1), ("StatefulSet", "glm53-decode", 1),
+                               ("Deployment", "glm53-pd-proxy", 1)):
+        pdb = by(docs, "PodDisruptionBudget", name)["spec"]
         assert pdb["maxUnavailable"] == budget
-        assert pdb["selector"]["matchLabels"] == by(docs, "StatefulSet", f"glm53-{role}")["spec"]["selector"]["matchLabels"]
-    pc = by(docs, "PriorityClass", "glm53-cell")
+        assert pdb["selector"]["matchLabels"] == by(docs, kind, name)["spec"]["selector"]["matchLabels"]
+    pc = by(docs, "PriorityClass", "glm53.vllm")   # <release>.<namespace>: cluster-scoped, one per cell
     assert pc["value"] == 1000000 and pc["globalDefault"] is False
     for doc in docs:
         if doc["kind"] in ("StatefulSet", "Deployment"):
-            assert doc["spec"]["template"]["spec"]["priorityClassName"] == "glm53-cell", doc["metadata"]["name"]
+            assert doc["spec"]["template"]["spec"]["priorityClassName"] == "glm53.vllm", doc["metadata"]["name"]
 
 
 # --- shard count and {rank}: consistent by construction, checked ------------------------------
@@ -290,8 +291,9 @@ def test_gpu_pods(docs, role, gpus, memory):
     assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
     assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == 16
     assert c["resources"]["limits"]["memory"] == memory  # prefill: 768 GiB L1 (pcp_shard_store) + 256 GiB
-    assert c["command"][4:] == ["vllm", "serve", "/models/GLM-5.3-FP8", "--config", f"/etc/glm53/{role}/vllm.yaml",
-                                "--shutdown-timeout", "120"]
+    assert "command" not in c   # the image's ENTRYPOINT (tini first): tests/configs/test_chart_lifecycle.py
+    assert c["args"][4:] == ["vllm", "serve", "/models/GLM-5.3-FP8", "--config", f"/etc/glm53/{role}/vllm.yaml",
+                             "--shutdown-timeout", "120"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
     spec = sts["spec"]["template"]["spec"]
@@ -454,7 +456,7 @@ def test_engines_leave_the_router_then_drain_on_a_planned_stop(docs, role):
     pod = by(docs, "StatefulSet", f"glm53-{role}")["spec"]["template"]["spec"]
     c = container(by(docs, "StatefulSet", f"glm53-{role}"))
     assert c["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "10"]}}}
-    assert _args(c["command"], "--shutdown-timeout") == ["120"]  # vLLM's default 0 aborts in-flight requests
+    assert _args(c["args"], "--shutdown-timeout") == ["120"]  # vLLM's default 0 aborts in-flight requests
     assert pod["terminationGracePeriodSeconds"] == 10 + 120 + 30
 
 
@@ -578,7 +580,8 @@ def test_cli_writes_one_file_per_component(tmp_path):
     result = subprocess.run([sys.executable, str(DEPLOY / "render.py"), *[a for s in sets() for a in ("--set", s)],
                              "--out", str(out)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == [f for f in render.FILES if f != "50-monitoring.yaml"]
+    assert sorted(p.name for p in out.iterdir()) == [f for f in render.FILES
+                                                     if f not in ("15-cache-warming.yaml", "50-monitoring.yaml")]
     total = sum(len([d for d in yaml.safe_load_all(p.read_text()) if d]) for p in out.iterdir())
     assert total == len(render_cell())
 
@@ -727,8 +730,9 @@ def test_packaged_chart_carries_the_engine_configs(tmp_path):
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_engines_export_lmcaches_metrics_from_a_fresh_multiprocess_folder(docs, role, tmp_path):
     """LMCache's counters live in vLLM's EngineCore and workers: /metrics serves them only through
-    PROMETHEUS_MULTIPROC_DIR (an emptyDir), which the command empties before exec'ing vLLM. The
-    rendered command runs for real here with a stand-in for vllm that lists the folder."""
+    PROMETHEUS_MULTIPROC_DIR (an emptyDir), which the container's arguments (run by the image's
+    entrypoint) empty before exec'ing vLLM. They run for real here with a stand-in for vllm that
+    lists the folder."""
     sts = by(docs, "StatefulSet", f"glm53-{role}")
     c = container(sts)
     env = {e["name"]: e.get("value") for e in c["env"]}
@@ -742,12 +746,12 @@ def test_engines_export_lmcaches_metrics_from_a_fresh_multiprocess_folder(docs, 
     fake_vllm.parent.mkdir()
     fake_vllm.write_text('#!/bin/sh\nls -A "$PROMETHEUS_MULTIPROC_DIR"; echo "args: $*"\n')
     fake_vllm.chmod(0o755)
-    done = subprocess.run(c["command"], capture_output=True, text=True,
+    done = subprocess.run(c["args"], capture_output=True, text=True,
                           env={"PATH": f"{fake_vllm.parent}:/usr/bin:/bin", "PROMETHEUS_MULTIPROC_DIR": str(stale)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [f"args: serve /models/GLM-5.3-FP8 --config /etc/glm53/{role}/vllm.yaml "
                                         "--shutdown-timeout 120"]
-    unset = subprocess.run(c["command"], capture_output=True, text=True, env={"PATH": f"{fake_vllm.parent}:/usr/bin:/bin"})
+    unset = subprocess.run(c["args"], capture_output=True, text=True, env={"PATH": f"{fake_vllm.parent}:/usr/bin:/bin"})
     assert unset.returncode != 0 and "PROMETHEUS_MULTIPROC_DIR" in unset.stderr   # never rm -rf /*
 
 

@@ -63,14 +63,16 @@ def test_rendered_prometheus_rule_is_the_rules_file(monitored, tmp_path):
 
 def test_pod_monitors_select_pods_with_those_ports(monitored):
     monitors = {d["metadata"]["name"]: d for d in monitored if d["kind"] == "PodMonitor"}
-    assert set(monitors) == {"glm53-prefill", "glm53-decode", "valkey-lmcache"}
+    workloads = {"glm53-prefill": "StatefulSet", "glm53-decode": "StatefulSet", "valkey-lmcache": "StatefulSet",
+                 "glm53-pd-proxy": "Deployment"}
+    assert set(monitors) == set(workloads)
     for name, monitor in monitors.items():
-        workload = by(monitored, "StatefulSet", name)
+        workload = by(monitored, workloads[name], name)
         labels = workload["spec"]["template"]["metadata"]["labels"]
         assert all(labels[k] == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
-        ports = {p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
-        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-        assert endpoint["port"] in ports
+        ports = {p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+        endpoints = monitor["spec"]["podMetricsEndpoints"]
+        assert endpoints and all(endpoint["port"] in ports for endpoint in endpoints), (name, endpoints, ports)
     assert monitors["glm53-prefill"]["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
     exporter = container(by(monitored, "StatefulSet", "valkey-lmcache"), "exporter")
     env = {e["name"]: e for e in exporter["env"]}

@@ -229,18 +229,18 @@ def test_cli_verb_fetches_and_checks(store: Store, tmp_path: Path, capsys) -> No
     assert cli.main(["--work", str(work), "flashinfer-artifacts", "--tree", str(tmp_path / "none")]) == 2
 
 
-def test_stage_for_the_image_and_strict(store: Store, tmp_path: Path) -> None:
+def test_stage_for_the_image_and_release(store: Store, tmp_path: Path) -> None:
     repo, work = tmp_path / "repo", tmp_path / "work"
     context = repo / "build" / fa.CACHE_SUBDIR
     context.mkdir(parents=True)
     (context / "README.md").write_text("kept\n")
     (context / "stale.cubin").write_text("from an older set\n")
     layout = Layout(repo=repo, work=work)
-    with pytest.raises(DistBuildError, match=r"STRICT=1: no complete FlashInfer artifact set .*make flashinfer-artifacts"):
-        image._stage_flashinfer_artifacts(layout, image.Options(strict=True), log=lambda _: None)
+    with pytest.raises(DistBuildError, match=r"RELEASE=1: no complete FlashInfer artifact set .*make flashinfer-artifacts"):
+        image._stage_flashinfer_artifacts(layout, image.Options(release=True), log=lambda _: None)
     assert sorted(p.name for p in context.iterdir()) == ["README.md"]
     fa.fetch_set(fa.read_pins(store.tree), fa.Mirror(str(store.folder)), layout.cache / fa.CACHE_SUBDIR, log=lambda _: None)
-    assert image._stage_flashinfer_artifacts(layout, image.Options(strict=True), log=lambda _: None).complete
+    assert image._stage_flashinfer_artifacts(layout, image.Options(release=True), log=lambda _: None).complete
     for name, data in store.files.items():
         assert (context / name).read_bytes() == data
     assert (context / "README.md").read_text() == "kept\n" and not (context / "stale.cubin").exists()
@@ -268,6 +268,7 @@ def test_aot_stage_without_a_set_reports_what_is_missing(store: Store, tmp_path:
     assert status["missing"] == [f"{BMM}checksums.txt (pinned) and every file it lists",
                                  f"{FMHA}checksums.txt (pinned) and every file it lists"]
     assert "TRTLLM_GEN_BMM" in status["consequence"] and "make flashinfer-artifacts" in status["consequence"]
+    assert status["consequence"].startswith("development image: needs FlashInfer's artifact store at first use: ")
     assert (out / "cubins").is_dir() and not any((out / "cubins").iterdir())
     assert "flashinfer-aot: NOT BUILT" in capsys.readouterr().err
 

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
 
+from distbuild import flashinfer_artifacts as fa
 from imagectl import entrypoint, identity, preflight
 
 from .conftest import REPO
+from .test_flashinfer_artifacts import closed_port_url, http_mirror, make_store
 
 CONFIGS = REPO / "configs"
 TOOLCHAIN = REPO / "work" / "toolchain"
@@ -202,16 +206,156 @@ def test_libfabric_on_a_gpu_node_needs_an_rdma_device_and_a_bare_container_only_
     assert preflight.check_nixl(["LIBFABRIC"], backend, devices=["eth0"], gpu_visible=False).status == "FAIL"
 
 
-def test_flashinfer_artifacts(tmp_path: Path) -> None:
-    unset = preflight.check_flashinfer_artifacts({})
-    assert unset.status == "WARN" and "air-gapped" in unset.detail and "make flashinfer-artifacts" in unset.fix
-    empty = tmp_path / "cubins"
-    empty.mkdir()
-    assert preflight.check_flashinfer_artifacts({"FLASHINFER_CUBIN_DIR": str(empty)}).status == "FAIL"
-    assert "missing" in preflight.check_flashinfer_artifacts({"FLASHINFER_CUBIN_DIR": str(tmp_path / "x")}).detail
-    (empty / "a" / "b.cubin").parent.mkdir()
-    (empty / "a" / "b.cubin").write_bytes(b"\x7fELF")
-    assert preflight.check_flashinfer_artifacts({"FLASHINFER_CUBIN_DIR": str(empty)}).status == "PASS"
+STORE_PIN = {"status": "missing", "artifact_store": "https://store.invalid/artifactory/"}
+
+
+def _no_probe(url: str):
+    pytest.fail(f"the store {url} was probed without {preflight.DOWNLOAD_ENV}=1")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "aggregated"])
+def test_without_an_artifact_set_a_role_fails_unless_the_download_is_accepted(role: str) -> None:
+    check = preflight.check_flashinfer_artifacts(role, {}, aot=STORE_PIN, probe=_no_probe)
+    assert check.status == "FAIL"
+    assert check.detail.startswith("development image: needs FlashInfer's artifact store at first use: "
+                                   "FLASHINFER_CUBIN_DIR is unset")
+    assert "after the weights loaded; a node without access to its store fails there" in check.detail
+    assert "`make image RELEASE=1`" in check.fix and "GLM53_FLASHINFER_DOWNLOAD=1" in check.fix
+    assert "VLLM_HAS_FLASHINFER_CUBIN=1" in check.fix
+    assert preflight.check_flashinfer_artifacts(role, {preflight.DOWNLOAD_ENV: "yes"}, aot=STORE_PIN,
+                                                probe=_no_probe).status == "FAIL"   # only 1 accepts it
+
+
+def test_an_accepted_download_needs_the_store_to_answer(tmp_path: Path) -> None:
+    """The probe is real: a local HTTP server stands for FlashInfer's store, a closed port for a
+    store the node cannot reach."""
+    accept = {preflight.DOWNLOAD_ENV: "1"}
+    with http_mirror(tmp_path) as url:
+        named = preflight.check_flashinfer_artifacts("prefill", {**accept, "FLASHINFER_CUBINS_REPOSITORY": url}, aot={})
+        pinned = preflight.check_flashinfer_artifacts("decode", accept, aot={"artifact_store": url})
+        assert preflight.probe_store(url + "no-such-folder/") == (False, "HTTP 404 File not found")
+    assert named.status == "WARN" and f"FlashInfer's store {url} answered (HTTP 200 in " in named.detail
+    assert named.detail.startswith("development image: needs FlashInfer's artifact store at first use")
+    assert "the prefill engine downloads there at first use" in named.detail
+    assert pinned.status == "WARN" and f"store {url} answered" in pinned.detail   # the image's status file names it
+    closed = closed_port_url()
+    refused = preflight.check_flashinfer_artifacts("decode", {**accept, "FLASHINFER_CUBINS_REPOSITORY": closed},
+                                                   aot=STORE_PIN)
+    assert refused.status == "FAIL" and f"FlashInfer's store {closed} did not answer: " in refused.detail
+    assert "refused" in refused.detail.lower()
+    nowhere = preflight.check_flashinfer_artifacts("decode", accept, aot={})
+    assert nowhere.status == "FAIL" and "no store to check" in nowhere.detail
+
+
+def test_the_store_probe_gives_up_at_its_bound() -> None:
+    """A store that takes the connection and never answers: the probe ends at its bound (5 s in
+    the preflight; 0.5 s here), saying so."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)        # the kernel completes the handshake; nothing ever answers
+        started = time.monotonic()
+        answered, how = preflight.probe_store(f"http://127.0.0.1:{server.getsockname()[1]}/", timeout=0.5)
+        took = time.monotonic() - started
+    assert not answered and ("timed out" in how or "no answer within" in how), how
+    assert took < 1.5
+    assert preflight.PROBE_TIMEOUT_S == 5.0
+
+
+def test_a_mounted_or_baked_set_is_checked_against_the_images_pins(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    pins = fa.read_pins(store.tree)
+    cubins = tmp_path / "cubins"
+    fa.fetch_set(pins, fa.Mirror(str(store.folder)), cubins, log=lambda _: None)
+    aot = {"artifacts": {a.key: {"path": a.path, "manifest_sha256": a.manifest_sha256} for a in pins.artifacts}}
+    env = {"FLASHINFER_CUBIN_DIR": str(cubins)}
+    quiet = preflight.check_flashinfer_artifacts("prefill", env, aot=aot, probe=_no_probe)
+    assert quiet.status == "WARN" and "but VLLM_HAS_FLASHINFER_CUBIN is not 1" in quiet.detail
+    assert quiet.fix == "set VLLM_HAS_FLASHINFER_CUBIN=1 beside FLASHINFER_CUBIN_DIR"
+    told = preflight.check_flashinfer_artifacts("prefill", {**env, "VLLM_HAS_FLASHINFER_CUBIN": "1"}, aot=aot)
+    assert told.status == "PASS" and told.detail.startswith("2 artifact(s) (TRTLLM_GEN_BMM, TRTLLM_GEN_FMHA)")
+    gone = preflight.check_flashinfer_artifacts("decode", {"FLASHINFER_CUBIN_DIR": str(tmp_path / "x")}, aot=aot)
+    assert gone.status == "FAIL" and f"{tmp_path / 'x' / fa.RECORD}: missing" in gone.detail
+
+
+# `fi_info -p efa` in libfabric's short format (util/info.c: provider, fabric, domain, version,
+# type, protocol per entry; the efa provider names a domain <device>-rdm or -dgrm, libfabric 2.x
+# lists the rdm one under its efa-direct fabric too). Written for these tests: the real tool
+# needs EFA hardware, which no test machine has.
+def fi_info_entry(device: str, fabric: str, kind: str) -> str:
+    return (f"provider: efa\n    fabric: {fabric}\n    domain: {device}-{kind}\n    version: 201.0\n"
+            f"    type: FI_EP_{'RDM' if kind == 'rdm' else 'DGRAM'}\n    protocol: FI_PROTO_EFA\n")
+
+
+def fi_info_output(devices: list[str]) -> str:
+    return "".join(fi_info_entry(d, fabric, kind) for d in devices
+                   for fabric, kind in (("efa-direct", "rdm"), ("efa", "rdm"), ("efa", "dgrm")))
+
+
+NO_EFA = "fi_getinfo: -61 (No data available)\n"
+
+
+def stub_fi_info(folder: Path, stdout: str, stderr: str = "", code: int = 0) -> Path:
+    """A stand-in ``fi_info`` on PATH (the real one needs EFA hardware): prints a recorded answer
+    to ``fi_info -p efa`` and refuses any other arguments."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "fi_info.out").write_text(stdout)
+    (folder / "fi_info.err").write_text(stderr)
+    script = folder / "fi_info"
+    script.write_text('#!/bin/sh\n[ "$*" = "-p efa" ] || { echo "stub fi_info: unexpected $*" >&2; exit 2; }\n'
+                      'here="$(dirname "$0")"\ncat "$here/fi_info.out"\ncat "$here/fi_info.err" >&2\n'
+                      f"exit {code}\n")
+    script.chmod(0o755)
+    return folder
+
+
+def uverbs(tmp_path: Path, count: int) -> Path:
+    folder = tmp_path / "infiniband"
+    folder.mkdir()
+    for n in range(count):
+        (folder / f"uverbs{n}").touch()
+    return folder
+
+
+def test_efa_provider_enumerates_every_device_the_pod_was_given(tmp_path: Path, monkeypatch) -> None:
+    two = ["rdmap79s0", "rdmap80s0"]
+    monkeypatch.setenv("PATH", f"{stub_fi_info(tmp_path / 'bin', fi_info_output(two))}:{os.environ['PATH']}")
+    assert preflight.run_fi_info() == (0, fi_info_output(two))
+    assert preflight.efa_devices(fi_info_output(two)) == two
+    check = preflight.check_efa(["LIBFABRIC"], {}, infiniband=uverbs(tmp_path, 2))
+    assert check.status == "PASS", check.detail
+    assert check.detail == (f"fi_info -p efa enumerates 2 EFA device(s) (rdmap79s0, rdmap80s0) for the 2 asked for "
+                            f"(2 {tmp_path / 'infiniband'}/uverbs* device(s) in the container)")
+    wanted = preflight.check_efa(["LIBFABRIC"], {preflight.EFA_DEVICES_ENV: "16"}, infiniband=tmp_path / "none")
+    assert wanted.status == "FAIL"
+    assert wanted.detail.startswith("fi_info -p efa enumerates 2 EFA device(s) (rdmap79s0, rdmap80s0), fewer than "
+                                    "the 16 asked for (GLM53_EFA_DEVICES=16): libfabric would use only those")
+    assert "fi_info -p efa" in wanted.fix and "ibv_devices" in wanted.fix
+
+
+def test_efa_devices_that_libfabric_cannot_open_fail_the_preflight(tmp_path: Path) -> None:
+    """uverbs devices in the container, none enumerated by the efa provider (the case of a libefa
+    that does not drive the device): libfabric would fall back to TCP without an error."""
+    stub = stub_fi_info(tmp_path / "bin", "", NO_EFA, code=1)
+    check = preflight.check_efa(["LIBFABRIC"], {}, fi_info=lambda: preflight.run_fi_info(str(stub / "fi_info")),
+                                infiniband=uverbs(tmp_path, 16))
+    assert check.status == "FAIL"
+    assert check.detail.startswith("fi_info -p efa enumerates 0 EFA device(s) (fi_getinfo: -61 (No data available)), "
+                                   "fewer than the 16 asked for")
+    tcp = "provider: tcp\n    fabric: 10.0.0.0/16\n    domain: eth0\n    version: 201.0\n"
+    assert preflight.efa_devices(tcp + fi_info_output(["rdmap1s0"])) == ["rdmap1s0"]   # other providers ignored
+
+
+def test_efa_check_needs_libfabric_a_count_and_fi_info(tmp_path: Path) -> None:
+    never = lambda: pytest.fail("fi_info run without a reason")  # noqa: E731
+    assert preflight.check_efa(["UCX"], {}, fi_info=never).status == "PASS"
+    bad = preflight.check_efa(["LIBFABRIC"], {preflight.EFA_DEVICES_ENV: "sixteen"}, fi_info=never)
+    assert bad.status == "FAIL" and bad.detail == "GLM53_EFA_DEVICES='sixteen' is not a device count"
+    nothing = tmp_path / "none"
+    on_gpu = preflight.check_efa(["LIBFABRIC"], {}, fi_info=never, infiniband=nothing, gpu_visible=True)
+    assert on_gpu.status == "FAIL" and "no EFA device asked for" in on_gpu.detail and "over TCP" in on_gpu.detail
+    assert preflight.check_efa(["LIBFABRIC"], {}, fi_info=never, infiniband=nothing, gpu_visible=False).status == "WARN"
+    code, why = preflight.run_fi_info(str(tmp_path / "no-fi_info"))
+    assert code == 127 and "not found on PATH" in why
 
 
 B300 = ("+---------------------------------------------------------------------------------------+\n"
@@ -281,17 +425,23 @@ def _probe_ok(names):
 
 
 def test_run_checks_and_render_in_seconds(tmp_path: Path, tmpfs) -> None:
-    env = {"CUDA_HOME": str(_image_cuda_home(tmp_path)), "TMPDIR": str(tmp_path), "HOME": str(tmp_path)}
+    env = {"CUDA_HOME": str(_image_cuda_home(tmp_path)), "TMPDIR": str(tmp_path), "HOME": str(tmp_path),
+           preflight.EFA_DEVICES_ENV: "2"}
     model = str(model_dir(tmp_path, GLM5_FP8))
     checks = preflight.run_checks("prefill", model, env, config_root=CONFIGS, shm=tmpfs("64m"),
-                                  cache=tmp_path / "cache", probe=_probe_ok, smi=lambda: None)
+                                  cache=tmp_path / "cache", probe=_probe_ok, smi=lambda: None,
+                                  fi_info=lambda: (0, fi_info_output(["rdmap79s0", "rdmap80s0"])), aot=STORE_PIN,
+                                  store_probe=_no_probe)
     by = {c.name: c.status for c in checks}
     memlock = preflight.check_memlock(preflight.preset_nixl_backends(CONFIGS / "prefill" / "vllm.yaml")).status
     assert by == {"shm": "FAIL", "cache": "PASS", "tmp and home": "PASS", "jit toolchain": "PASS", "nixl backends": "PASS",
-                  "memlock": memlock, "flashinfer artifacts": "WARN", "gpu": "WARN", "model": "PASS"}
+                  "efa devices": "PASS", "memlock": memlock, "flashinfer artifacts": "FAIL", "gpu": "WARN",
+                  "model": "PASS"}
     text = preflight.render(checks, 1.2)
     assert "preflight: FAIL  shm" in text and "fix: run the container with --ipc=host" in text
-    assert text.rstrip().splitlines()[-1].startswith("preflight: FAILED in 1.2 s (1 fail, 2 warn)")
+    assert "preflight: FAIL  flashinfer artifacts  development image: needs FlashInfer's artifact store" in text
+    fails, warns = (sum(v == s for v in by.values()) for s in ("FAIL", "WARN"))
+    assert text.rstrip().splitlines()[-1].startswith(f"preflight: FAILED in 1.2 s ({fails} fail, {warns} warn)")
 
 
 def test_entrypoint_runs_the_preflight_before_a_role_and_can_skip_it() -> None:

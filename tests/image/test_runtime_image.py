@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -278,6 +279,26 @@ def _model(tmp_path: Path) -> str:
     return f"--volume={model}:/models/GLM-5.3-FP8:ro"
 
 
+
+def _is_development(image: tuple[str, str]) -> bool:
+    """An image built without FlashInfer's artifact set (its io.glm53.image.kind label)."""
+    engine, ref = image
+    kind = subprocess.run([engine, "image", "inspect", "--format", '{{ index .Labels "io.glm53.image.kind" }}', ref],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    return kind.startswith("development")
+
+
+def assert_preflight_passes_but_for_the_artifact_set(image: tuple[str, str], done: subprocess.CompletedProcess) -> None:
+    """A release image's preflight passes. A development image's fails on exactly one check,
+    `flashinfer artifacts`: it has no set and nothing here accepted a download at first use."""
+    failed = re.findall(r"^preflight: FAIL  (.+?)\s{2,}", done.stdout, re.M)   # the name, then the padding
+    if not _is_development(image):
+        assert done.returncode == 0, done.stdout + done.stderr
+        return
+    assert done.returncode != 0 and failed == ["flashinfer artifacts"], done.stdout + done.stderr
+    assert "development image" in done.stdout, done.stdout
+
+
 def test_preflight_refuses_dockers_default_shm_before_vllm_starts(image, tmp_path):
     done = run_image(image, "prefill", "/models/GLM-5.3-FP8", network="none",
                      extra=("--shm-size=64m", _model(tmp_path)), timeout=300)
@@ -302,7 +323,7 @@ def test_preflight_passes_the_shipped_presets_and_says_the_gpu_checks_were_skipp
     no GPU: the probe loads the toolkit's libcuda stub and says so); every check passes."""
     done = run_image(image, "preflight", role, "/models/GLM-5.3-FP8", network="host",
                      extra=("--shm-size=17g", *MEMLOCK, _model(tmp_path)), timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_preflight_passes_but_for_the_artifact_set(image, done)
     for name in ("shm", "cache", "tmp and home", "jit toolchain", "nixl backends", "memlock", "model"):
         assert f"preflight: PASS  {name}" in done.stdout, name
     assert "LIBFABRIC instantiated" in done.stdout and "libcuda.so.1 was the toolkit's link stub" in done.stdout
@@ -314,7 +335,7 @@ def test_preflight_without_any_fabric_warns_that_libfabric_had_no_rail(image, tm
     on (its tcp provider cannot listen on lo; measured): a warning like the skipped GPU checks."""
     done = run_image(image, "preflight", "prefill", "/models/GLM-5.3-FP8", network="none",
                      extra=("--shm-size=17g", *MEMLOCK, _model(tmp_path)), timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_preflight_passes_but_for_the_artifact_set(image, done)
     assert "preflight: WARN  nixl backends" in done.stdout and "found no fabric to open a rail on" in done.stdout
 
 
@@ -330,7 +351,7 @@ def test_preflight_passes_with_ucx_and_says_the_gpu_checks_were_skipped(image, t
     done = run_image(image, "preflight", "prefill", "/models/GLM-5.3-FP8", network="none",
                      extra=("--shm-size=17g", *MEMLOCK, _model(tmp_path),
                             f"--volume={configs}:/etc/glm53-ucx:ro", "--env=GLM53_CONFIGS=/etc/glm53-ucx"), timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_preflight_passes_but_for_the_artifact_set(image, done)
     for name in ("shm", "cache", "tmp and home", "jit toolchain", "nixl backends", "memlock", "model"):
         assert f"preflight: PASS  {name}" in done.stdout, name
     assert "GPU checks skipped" in done.stdout
@@ -403,3 +424,28 @@ def test_preflight_refuses_a_read_only_root_without_tmp_in_seconds(image, tmp_pa
     assert done.returncode == 1, done.stdout + done.stderr
     assert "preflight: FAIL  tmp and home" in done.stdout and "/tmp is not writable" in done.stdout
     assert "--tmpfs /tmp --tmpfs /home/serve" in done.stdout
+
+
+def test_a_development_image_starts_with_the_download_accepted_and_its_store_answering(image, tmp_path):
+    """GLM53_FLASHINFER_DOWNLOAD=1 and a store that answers within 5 s (a local HTTP server stands
+    in for FlashInfer's, which is not reachable here): the development image's preflight passes,
+    warning that FlashInfer downloads at first use. Air-gapped (--network=none) it fails."""
+    if not _is_development(image):
+        pytest.skip("a release image carries the artifact set: nothing is downloaded")
+    import http.server
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    store = f"--env=FLASHINFER_CUBINS_REPOSITORY=http://127.0.0.1:{server.server_address[1]}/"
+    try:
+        done = run_image(image, "preflight", "prefill", "/models/GLM-5.3-FP8", network="host",
+                         extra=("--shm-size=17g", *MEMLOCK, _model(tmp_path), "--env=GLM53_FLASHINFER_DOWNLOAD=1",
+                                store), timeout=300)
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "preflight: WARN  flashinfer artifacts" in done.stdout, done.stdout
+    offline = run_image(image, "preflight", "prefill", "/models/GLM-5.3-FP8", network="none",
+                        extra=("--shm-size=17g", *MEMLOCK, _model(tmp_path), "--env=GLM53_FLASHINFER_DOWNLOAD=1",
+                               store), timeout=300)
+    assert offline.returncode != 0 and "preflight: FAIL  flashinfer artifacts" in offline.stdout, offline.stdout

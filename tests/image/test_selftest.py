@@ -240,6 +240,35 @@ def test_aot_status(tmp_path: Path) -> None:
     assert selftest.exit_code([check], strict=True) == 1
 
 
+def test_image_kind_says_development_or_checks_the_baked_set(tmp_path: Path) -> None:
+    """A development image WARNs in the words of its label; a release passes only with its set
+    complete where FLASHINFER_CUBIN_DIR points and VLLM_HAS_FLASHINFER_CUBIN=1."""
+    from distbuild import flashinfer_artifacts as fa
+
+    from .test_flashinfer_artifacts import make_store
+
+    missing = {"status": "missing", "reason": "no FlashInfer artifact set in the build context"}
+    dev = selftest.check_artifact_set(missing, {"VLLM_HAS_FLASHINFER_CUBIN": "0"})
+    assert dev.status == "WARN"
+    assert dev.detail.startswith("development image: needs FlashInfer's artifact store at first use (the "
+                                 "flashinfer-wheel stage recorded 'missing': no FlashInfer artifact set")
+    lying = selftest.check_artifact_set(missing, {"VLLM_HAS_FLASHINFER_CUBIN": "1"})
+    assert lying.status == "FAIL" and "no complete artifact set" in lying.detail
+    store = make_store(tmp_path)
+    pins = fa.read_pins(store.tree)
+    cubins = tmp_path / "cubins"
+    fa.fetch_set(pins, fa.Mirror(str(store.folder)), cubins, log=lambda _: None)
+    built = {"status": "built", "cubin_dir": str(cubins),
+             "artifacts": {a.key: {"path": a.path, "manifest_sha256": a.manifest_sha256} for a in pins.artifacts}}
+    env = {"FLASHINFER_CUBIN_DIR": str(cubins), "VLLM_HAS_FLASHINFER_CUBIN": "1"}
+    release = selftest.check_artifact_set(built, env)
+    assert release.status == "PASS" and release.detail.startswith("release: 2 artifact(s) (TRTLLM_GEN_BMM")
+    unsaid = selftest.check_artifact_set(built, {**env, "VLLM_HAS_FLASHINFER_CUBIN": "0"})
+    assert unsaid.status == "FAIL" and "VLLM_HAS_FLASHINFER_CUBIN='0': vLLM would probe" in unsaid.detail
+    moved = selftest.check_artifact_set(built, {**env, "FLASHINFER_CUBIN_DIR": ""})
+    assert moved.status == "FAIL" and f"FLASHINFER_CUBIN_DIR='', but the build put the set at {cubins}" in moved.detail
+
+
 def test_report_and_exit_codes() -> None:
     checks = [selftest.Check("a", "PASS", "ok"), selftest.Check("b", "WARN", "missing x")]
     text = selftest.render(checks, "title")

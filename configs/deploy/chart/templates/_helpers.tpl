@@ -10,8 +10,14 @@ enforce is checked here, so `helm template` and `helm install` refuse a broken c
   * the prefill pod's memory = LMCache's L1 for the pod + prefill.memoryOverheadGi;
   * the config mount = the directory of LMCACHE_CONFIG_FILE in configs/prefill/env;
   * prefill and decode name the same NIXL backends (nixlBackends sets them in both files);
-  * the engine image is pinned by digest (unless allowUnpinnedImage), and so are Valkey's
-    and the exporter's.
+  * the engine image is pinned by digest (unless allowUnpinnedImage), and so are Valkey's,
+    the exporter's and a router image of its own;
+  * /cache comes from exactly one of cache.volume and cache.claimTemplate;
+  * hugepages2Mi is a whole number of 2 MiB pages;
+  * the startup probe's budget covers VLLM_ENGINE_READY_TIMEOUT_S of each role's env file
+    (the probe is derived from it: engineStartup);
+  * the PriorityClass's name: priorityClass.name, or <release>.<namespace> (cluster-scoped, so
+    two cells never share one by accident).
 */}}
 
 {{- define "glm53.need" -}}
@@ -96,8 +102,38 @@ tests/configs/test_deploy.py checks that it equals the Dockerfile's. */ -}}
 {{- if $v.monitoring.valkeyExporter.enabled -}}
 {{- include "glm53.need" (list (regexMatch $digest $v.monitoring.valkeyExporter.image) (printf "monitoring.valkeyExporter.image %q: give the exporter by digest" $v.monitoring.valkeyExporter.image)) -}}
 {{- end -}}
+{{- if $v.router.image -}}
+{{- include "glm53.need" (list (or (regexMatch $digest $v.router.image) $v.allowUnpinnedImage) (printf "router.image %q is not pinned by digest (@sha256:<64 hex>): give the router's image by digest, or null for the serving image (allowUnpinnedImage=true accepts a tag for development)" $v.router.image)) -}}
+{{- end -}}
 {{- if $v.nixlHostLibfabric -}}
 {{- include "glm53.need" (list (not (has (base (trimSuffix "/" $v.nixlHostLibfabric)) (list "lib" "lib64"))) (printf "nixlHostLibfabric: %q is a library folder; give the installation prefix (e.g. /opt/amazon/efa): its lib64 and lib are both put on LD_LIBRARY_PATH" $v.nixlHostLibfabric)) -}}
+{{- end -}}
+{{- /* The volume sources, without the keys a values file set to null beside its own (Helm merges
+maps; `helm template` drops such keys, `helm lint` keeps them): exactly one is left. */ -}}
+{{- $modelVolume := dict -}}
+{{- range $k, $x := $v.model.volume }}{{ if not (kindIs "invalid" $x) }}{{ $_ := set $modelVolume $k $x }}{{ end }}{{ end -}}
+{{- include "glm53.need" (list (eq (len $modelVolume) 1) (printf "model.volume: give one volume source, got %d (%s); a values file that gives its own sets the default's to null beside it, e.g. hostPath: null (Helm merges maps)" (len $modelVolume) (keys $modelVolume | sortAlpha | join ", "))) -}}
+{{- $cacheVolume := dict -}}
+{{- range $k, $x := ($v.cache.volume | default dict) }}{{ if not (kindIs "invalid" $x) }}{{ $_ := set $cacheVolume $k $x }}{{ end }}{{ end -}}
+{{- include "glm53.need" (list (le (len $cacheVolume) 1) (printf "cache.volume: give one volume source, got %d (%s); a values file that gives its own sets the default's to null beside it, e.g. hostPath: null (Helm merges maps)" (len $cacheVolume) (keys $cacheVolume | sortAlpha | join ", "))) -}}
+{{- /* /cache: one volume source shared by the pods of a role, or a PVC per pod */ -}}
+{{- $cacheClaim := $v.cache.claimTemplate -}}
+{{- include "glm53.need" (list (not (and $cacheVolume $cacheClaim)) "cache: set cache.volume or cache.claimTemplate, not both (cache.volume: null to give every engine pod a claim of its own)") -}}
+{{- include "glm53.need" (list (or $cacheVolume $cacheClaim) "cache: set cache.volume (a volume source) or cache.claimTemplate (a PersistentVolumeClaim per engine pod)") -}}
+{{- /* hugepages-2Mi: whole 2 MiB pages */ -}}
+{{- with $v.hugepages2Mi -}}
+{{- if hasSuffix "Mi" . -}}
+{{- include "glm53.need" (list (eq (mod (atoi (trimSuffix "Mi" .)) 2) 0) (printf "hugepages2Mi %q is not a whole number of 2 MiB pages (give an even number of Mi, or Gi)" .)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.cacheWarming.enabled (hasKey $modelVolume "hostPath") -}}
+{{- fail "cacheWarming.enabled: model.volume is a hostPath, a copy on each node: the Job would read one node's copy only. Warming is for a shared file system (model.volume: a persistentVolumeClaim, e.g. configs/deploy/examples/fsx-lustre.yaml)" -}}
+{{- end -}}
+{{- /* the PriorityClass (cluster-scoped) */ -}}
+{{- $priorityClass := $v.priorityClass.name -}}
+{{- if not $priorityClass -}}
+{{- include "glm53.need" (list $v.priorityClass.create "priorityClass.name: with priorityClass.create false, name the existing PriorityClass the cell's pods use (e.g. the first cell's, glm53.<its namespace>)") -}}
+{{- $priorityClass = printf "%s.%s" .Release.Name $ns -}}
 {{- end -}}
 {{- $mount := printf "%s/" (trimSuffix "/" $v.model.mount) -}}
 {{- include "glm53.need" (list (hasPrefix $mount $v.model.path) (printf "model.path %q is not inside model.mount %q" $v.model.path $v.model.mount)) -}}
@@ -113,6 +149,16 @@ tests/configs/test_deploy.py checks that it equals the Dockerfile's. */ -}}
 {{- include "glm53.need" (list (not (hasKey $decode "Error")) (printf "%s: %v" $df (get $decode "Error"))) -}}
 {{- $prefillEnv := include "glm53.envFile" (list ($.Files.Get "files/prefill/env") "configs/prefill/env") | fromJsonArray -}}
 {{- $decodeEnv := include "glm53.envFile" (list ($.Files.Get "files/decode/env") "configs/decode/env") | fromJsonArray -}}
+
+{{- /* VLLM_ENGINE_READY_TIMEOUT_S of each role (vLLM's default, 600, when its env file has none):
+the startup probe's budget is built on it */ -}}
+{{- $readyTimeouts := dict -}}
+{{- range $role, $roleEnv := dict "prefill" $prefillEnv "decode" $decodeEnv -}}
+{{- $t := "600" -}}
+{{- range $e := $roleEnv }}{{ if eq $e.name "VLLM_ENGINE_READY_TIMEOUT_S" }}{{ $t = trim $e.value }}{{ end }}{{ end -}}
+{{- include "glm53.need" (list (regexMatch "^[1-9][0-9]*$" $t) (printf "configs/%s/env: VLLM_ENGINE_READY_TIMEOUT_S=%s: expected whole seconds (the startup probe's budget is built on it)" $role $t)) -}}
+{{- $_ := set $readyTimeouts $role (atoi $t) -}}
+{{- end -}}
 
 {{- $configFile := "" -}}
 {{- range $e := $prefillEnv }}{{ if eq $e.name "LMCACHE_CONFIG_FILE" }}{{ $configFile = $e.value }}{{ end }}{{ end -}}
@@ -187,6 +233,8 @@ tests/configs/test_deploy.py checks that it equals the Dockerfile's. */ -}}
   "prefillData" $prefillData "decodeData" $decodeData
   "prefillSha" (sha256sum (toJson (list $prefillData $prefillEnv)))
   "decodeSha" (sha256sum (toJson (list $decodeData $decodeEnv)))
+  "readyTimeouts" $readyTimeouts "priorityClass" $priorityClass
+  "modelVolume" $modelVolume "cacheVolume" $cacheVolume
   "pinned" $pinned) -}}
 {{- end -}}
 
