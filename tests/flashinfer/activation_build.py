@@ -198,11 +198,17 @@ def pristine_sources(tree: Path, overlay_dir: Path) -> Sources:
 # Flags, read from the tree's JIT code
 
 
+# Lists spliced into the module's flags that the harness leaves out: the Rubin variant's define,
+# the arch flags (JitFlags.for_arch adds them per arch) and FlashInfer 0.7.4's aarch64-only host
+# flags (empty on an x86-64 host).
+LEFT_OUT = ("rubin_flags", "nvcc_flags", "_manifest_host_compile_flags()")
+
+
 def _strings(node: ast.AST, placeholders: dict[str, str] | None = None) -> list[str] | None:
     """String elements of a list literal; None if it holds anything else (a variable...).
 
     Starred elements are handled by ``placeholders`` (call name -> value) or dropped
-    when they name a list the harness leaves out on purpose (rubin_flags).
+    when they name a list the harness leaves out on purpose (LEFT_OUT).
     """
     if not isinstance(node, ast.List):
         return None
@@ -219,11 +225,20 @@ def _strings(node: ast.AST, placeholders: dict[str, str] | None = None) -> list[
             name = ast.unparse(elt.value)
             if placeholders and name in placeholders:
                 out.append(placeholders[name])
-            elif name != "rubin_flags":
+            elif name not in LEFT_OUT:
                 return None
         else:
             return None
     return out
+
+
+def _assigned(fn: ast.FunctionDef, name: str) -> ast.AST | None:
+    """The value last assigned to ``name`` in ``fn``'s body."""
+    found = None
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [name]:
+            found = node.value
+    return found
 
 
 def _function(tree: ast.AST, name: str) -> ast.FunctionDef:
@@ -256,23 +271,32 @@ def jit_nvcc_flags(tree: Path) -> JitFlags:
 
     From flashinfer/jit/core.py (gen_jit_spec), jit/cpp_ext.py (build_cuda_cflags),
     compilation_context.py (COMMON_NVCC_FLAGS) and jit/fused_moe.py
-    (gen_trtllm_gen_fused_moe_sm100_module). Raises BuildError if their shape changed.
+    (gen_trtllm_gen_fused_moe_sm100_module; from 0.7.4 the list it passes is built by
+    trtllm_gen_fused_moe_build_inputs). Raises BuildError if their shape changed.
     """
     jit = tree / "flashinfer" / "jit"
     flags = JitFlags()
 
     fn = _function(ast.parse((jit / "core.py").read_text()), "gen_jit_spec")
     std = None
+    fast_math = False
     for node in ast.walk(fn):
         if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "cuda_cflags":
             flags.common = _strings(node.value, {"get_nvcc_parallelism_flags()": "--threads=1"}) or []
         if (isinstance(node, ast.Call) and ast.unparse(node.func) == "cuda_cflags.insert"
                 and isinstance(node.args[1], ast.Constant)):
-            std = node.args[1].value
+            if node.args[1].value == "-use_fast_math":
+                # 0.7.4 and later: inserted after the parallelism flags unless use_fast_math=False,
+                # which the fused-MoE module does not pass (checked below)
+                fast_math = True
+            else:
+                std = node.args[1].value
         if isinstance(node, ast.If) and ast.unparse(node.test) == "debug":
             for stmt in node.orelse:
                 if isinstance(stmt, ast.AugAssign) and ast.unparse(stmt.target) == "cuda_cflags":
                     flags.common += _strings(stmt.value) or []
+    if fast_math and "-use_fast_math" not in flags.common:
+        flags.common.insert(flags.common.index("--threads=1") + 1, "-use_fast_math")
     if std:
         flags.common.insert(0, std)
 
@@ -288,10 +312,16 @@ def jit_nvcc_flags(tree: Path) -> JitFlags:
         if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "COMMON_NVCC_FLAGS":
             flags.arch_common = _strings(node.value) or []
 
-    fn = _function(ast.parse((jit / "fused_moe.py").read_text()), "gen_trtllm_gen_fused_moe_sm100_module")
+    fused_moe = ast.parse((jit / "fused_moe.py").read_text())
+    fn = _function(fused_moe, "gen_trtllm_gen_fused_moe_sm100_module")
     for node in ast.walk(fn):
+        if isinstance(node, ast.keyword) and node.arg == "use_fast_math":
+            raise BuildError("the fused-MoE module now sets use_fast_math; update jit_nvcc_flags()")
         if isinstance(node, ast.keyword) and node.arg == "extra_cuda_cflags":
             value = node.value.left if isinstance(node.value, ast.BinOp) else node.value
+            if isinstance(value, ast.Name):
+                # 0.7.4 and later: the list is built by trtllm_gen_fused_moe_build_inputs
+                value = _assigned(_function(fused_moe, "trtllm_gen_fused_moe_build_inputs"), value.id)
             flags.module = _strings(value) or []
 
     missing = [name for name, got in (("gen_jit_spec cuda_cflags", flags.common),
