@@ -115,7 +115,8 @@ LMCACHE_KEPT = {"chunk_size", "local_cpu", "enable_async_loading", "lookup_timeo
                 "save_unfull_chunk", "remote_serde"}
 EXTRA_CONFIG_KEPT = {"pcp_shard_store", "resp_num_threads", "save_only_first_rank", "remote_enable_mla_worker_id_as0"}
 L1_GIB = 0.5
-ENV_KEPT = {"PYTHONHASHSEED", "VLLM_ENGINE_READY_TIMEOUT_S"}
+# The offline defaults hold on CPU too: the engines here load local folders and send nothing.
+ENV_KEPT = {"PYTHONHASHSEED", "VLLM_ENGINE_READY_TIMEOUT_S", "HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"}
 ENV_DROPPED = {"VLLM_USE_V2_MODEL_RUNNER"}
 
 
