@@ -1,6 +1,8 @@
 """Pieces of ``make test``'s runner (build/distbuild/testrun.py) that decide what counts."""
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,3 +99,51 @@ def test_phase_4_names_a_regression_and_the_log_that_shows_it(tmp_path, capsys):
     assert str(tmp_path / "logs" / "phase-4-patched.log") in problems[0]
     assert "ran beside phases 2 and 3, 1.5 min" in capsys.readouterr().out
     assert (tmp_path / "test-results" / "peer-pristine-passed.txt").read_text() == "tests.a::t\ntests.b::t\n"
+
+
+def test_phase_4_a_regression_that_passes_every_rerun_alone_is_named_load_sensitive(tmp_path, capsys):
+    (tmp_path / "test-results").mkdir()
+    run = testrun.PeerRun(pristine=testrun.Outcome(passed={"tests.a::t", "tests.b::t"}),
+                          patched=testrun.Outcome(passed={"tests.a::t"}, failed={"tests.b::t"}),
+                          added=[], seconds=90.0, reruns={"tests.b::t": testrun.PEER_RERUNS})
+    assert testrun.judge_peer(run, tmp_path) == []
+    assert run.load_sensitive() == {"tests.b::t"} and run.regressed() == set()
+    assert f"passed {testrun.PEER_RERUNS} of {testrun.PEER_RERUNS} reruns: load-sensitive" in capsys.readouterr().out
+
+
+def test_phase_4_a_regression_that_fails_one_rerun_counts(tmp_path, capsys):
+    (tmp_path / "test-results").mkdir()
+    run = testrun.PeerRun(pristine=testrun.Outcome(passed={"tests.b::t"}),
+                          patched=testrun.Outcome(failed={"tests.b::t"}),
+                          added=[], seconds=90.0, reruns={"tests.b::t": testrun.PEER_RERUNS - 1})
+    problems = testrun.judge_peer(run, tmp_path)
+    assert len(problems) == 1 and "tests.b::t" in problems[0]
+    assert ": a regression" in capsys.readouterr().out
+
+
+def test_a_junit_node_maps_back_to_the_pytest_node_it_came_from(tmp_path):
+    (tmp_path / "tests" / "v1").mkdir(parents=True)
+    (tmp_path / "tests" / "v1" / "test_x.py").write_text("")
+    assert (testrun.pytest_node("tests.v1.test_x.TestY::test_z[a.b]", tmp_path)
+            == "tests/v1/test_x.py::TestY::test_z[a.b]")
+    assert testrun.pytest_node("tests.v1.test_x::test_z", tmp_path) == "tests/v1/test_x.py::test_z"
+    with pytest.raises(DistBuildError, match="tests.v1.gone::t"):
+        testrun.pytest_node("tests.v1.gone::t", tmp_path)
+
+
+def test_reruns_count_real_pytest_passes_of_each_node_alone(tmp_path):
+    """Real pytest runs: a test that passes every time, and one that passes only on its first run
+    (a counter file stands in for load that comes and goes)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_r.py").write_text(
+        "from pathlib import Path\n"
+        "def test_steady():\n    pass\n"
+        "def test_once():\n"
+        "    seen = Path(__file__).with_name('seen')\n"
+        "    first = not seen.exists()\n"
+        "    seen.write_text('x')\n"
+        "    assert first\n")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    passes = testrun.rerun_regressed(Path(sys.executable), {"tests.test_r::test_steady", "tests.test_r::test_once"},
+                                     tmp_path, tmp_path / "rerun.xml", env, tmp_path / "logs" / "rerun.log")
+    assert passes == {"tests.test_r::test_steady": testrun.PEER_RERUNS, "tests.test_r::test_once": 1}
