@@ -9,16 +9,15 @@ for N's reason or not at all.
 A variant's tree is made without a work tree: the commit before N is read
 into a temporary index and the diff of every later commit is applied to that
 index with ``git apply --cached`` (exact context, no fuzz, as the series is
-applied). A later patch that builds on N is left out with it; the series
-file says which, with the reason, on a line
+applied). A later patch that builds on N is left out with it; the file
+``leave-out`` beside ``series`` says which, with the reason, one line each
 
-    # leave-out: <patch file> with <later patch file>[, ...]: <why>
+    <patch file> with <later patch file>[, ...]: <why>
 
 A later patch that applies without N may still need it to run (it uses an
 attribute N adds): declaring it leaves it out too. A later patch that does
-not apply without N and is not declared is an error, so the series file
-stays true; so is a declaration that names a patch that is not later in the
-series.
+not apply without N and is not declared is an error, so the file stays true;
+so is a declaration that names a patch that is not later in the series.
 
 A proof may state a property of one part of patch N (the stream a load
 runs on, say) that the series without all of N cannot isolate: there the
@@ -50,7 +49,10 @@ from pathlib import Path
 from .errors import DistBuildError
 from .gitrepo import PRISTINE_REF, Repo, git_env
 
-LEAVE_OUT = re.compile(r"^#\s*leave-out:\s*(?P<patch>\S+)\s+with\s+(?P<with>[^:]+):\s*(?P<why>\S.*)$")
+RULES_FILE = "leave-out"
+RULE = re.compile(r"^(?P<patch>\S+)\s+with\s+(?P<with>[^:]+):\s*(?P<why>\S.*)$")
+# Where the rules lived before they had a file of their own: such a line in `series` is refused.
+SERIES_RULE = re.compile(r"^#\s*leave-out:")
 PACKAGE = "lmcache"
 PART_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 PART_SUFFIX = ".diff"
@@ -116,16 +118,30 @@ def series_parts(parts_dir: Path, patches: list[str]) -> list[Part]:
     return sorted(parts, key=lambda part: (order[part.patch], part.name))
 
 
-def declared_dependents(series_file: Path) -> dict[str, tuple[set[str], str]]:
-    """``leave-out`` lines of a series file: patch -> (patches left out with it, why)."""
+def declared_dependents(directory: Path) -> dict[str, tuple[set[str], str]]:
+    """The ``leave-out`` file of a series folder: patch -> (patches left out with it, why).
+    An absent file declares nothing."""
+    rules_file = directory / RULES_FILE
+    series_file = directory / "series"
+    if series_file.is_file():
+        for number, line in enumerate(series_file.read_text().splitlines(), start=1):
+            if SERIES_RULE.match(line.strip()):
+                raise DistBuildError(f"{series_file}:{number}: a leave-out rule belongs in {rules_file}, "
+                                     "as '<patch> with <later patch>[, ...]: <why>'")
     declared: dict[str, tuple[set[str], str]] = {}
-    for number, line in enumerate(series_file.read_text().splitlines(), start=1):
-        match = LEAVE_OUT.match(line.strip())
-        if match:
-            if match["patch"] in declared:
-                raise DistBuildError(f"{series_file}:{number}: leave-out of {match['patch']} is declared twice")
-            names = {name.strip() for name in match["with"].split(",") if name.strip()}
-            declared[match["patch"]] = (names, match["why"])
+    if not rules_file.is_file():
+        return declared
+    for number, line in enumerate(rules_file.read_text().splitlines(), start=1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        match = RULE.match(text)
+        if match is None:
+            raise DistBuildError(f"{rules_file}:{number}: not '<patch> with <later patch>[, ...]: <why>': {text[:80]}")
+        if match["patch"] in declared:
+            raise DistBuildError(f"{rules_file}:{number}: leave-out of {match['patch']} is declared twice")
+        names = {name.strip() for name in match["with"].split(",") if name.strip()}
+        declared[match["patch"]] = (names, match["why"])
     return declared
 
 
@@ -209,31 +225,31 @@ def part_variants(tree: Path, patches: list[str], parts: list[Part]) -> list[Lef
 
 
 def check_declarations(variants: list[LeftOut], declared: dict[str, tuple[set[str], str]],
-                       series_file: Path) -> list[str]:
+                       rules_file: Path) -> list[str]:
     """Problems: a later patch that does not apply and is not declared; a
     declaration naming a patch that is not later in the series."""
     problems: list[str] = []
     order = [v.patch for v in variants if v.part is None]
     for patch, (names, _) in sorted(declared.items()):
         if patch not in order:
-            problems.append(f"{series_file}: leave-out names {patch}, which the series does not list")
+            problems.append(f"{rules_file}: leave-out names {patch}, which the series does not list")
             continue
         for name in sorted(names):
             if name not in order or order.index(name) <= order.index(patch):
-                problems.append(f"{series_file}: leave-out of {patch} names {name}, which is not a later patch")
+                problems.append(f"{rules_file}: leave-out of {patch} names {name}, which is not a later patch")
     for variant in variants:
         if variant.undeclared and variant.part is not None:
             problems.append(
-                f"{series_file}: without the {variant.part} part of {variant.patch}, "
+                f"{rules_file}: without the {variant.part} part of {variant.patch}, "
                 f"{', '.join(variant.undeclared)} {'do' if len(variant.undeclared) != 1 else 'does'} not apply: "
                 "a part must remove only what its patch adds and later patches do not edit"
             )
         elif variant.undeclared:
             wanted = sorted({*declared.get(variant.patch, (set(), ""))[0], *variant.undeclared})
             problems.append(
-                f"{series_file}: without {variant.patch}, {', '.join(variant.undeclared)} "
+                f"{rules_file}: without {variant.patch}, {', '.join(variant.undeclared)} "
                 f"{'do' if len(variant.undeclared) != 1 else 'does'} not apply and the series does not say so: "
-                f"write '# leave-out: {variant.patch} with {', '.join(wanted)}: <why>'"
+                f"write '{variant.patch} with {', '.join(wanted)}: <why>'"
             )
     return problems
 

@@ -279,11 +279,11 @@ def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: 
     With ``proof_files`` (the proof map phase 1 writes) a variant collects only the files
     that hold its patch's proofs instead of every test."""
     started = time.monotonic()
-    series_file = repo / "patches" / "lmcache" / "series"
-    declared = leaveout.declared_dependents(series_file)
+    series_dir = repo / "patches" / "lmcache"
+    declared = leaveout.declared_dependents(series_dir)
     variants = leaveout.left_out_variants(tree, series, declared)
     variants += leaveout.part_variants(tree, series, leaveout.series_parts(repo / PARTS_DIR, series))
-    problems = leaveout.check_declarations(variants, declared, series_file)
+    problems = leaveout.check_declarations(variants, declared, series_dir / leaveout.RULES_FILE)
     proof_files = proof_files or {}
     jobs = leave_one_out_jobs()
     print(f"\n=== phase 3/4: leave-one-out, {len(variants)} variants, {jobs} runs at a time "

@@ -2,7 +2,7 @@
 
 ``patched`` has the whole series, ``pristine`` none of it, and
 ``without:<patch>`` (the leave-one-out phase) lacks that patch and the later
-ones the series' ``# leave-out:`` lines leave out with it
+ones the series' ``leave-out`` file leaves out with it
 (build/distbuild/leaveout.py); ``without:<patch>:<part>`` has every patch, one
 of them less that part (tests/parts/). A test's own setup or teardown may need a fix
 the build lacks (a close that hangs without 0018): it asks here instead of
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SERIES = ROOT / "patches" / "lmcache" / "series"
+SERIES_DIR = ROOT / "patches" / "lmcache"
 
 
 def _declared_dependents() -> dict[str, tuple[set[str], str]]:
@@ -24,7 +24,7 @@ def _declared_dependents() -> dict[str, tuple[set[str], str]]:
         sys.path.insert(0, build)
     from distbuild.leaveout import declared_dependents
 
-    return declared_dependents(SERIES)
+    return declared_dependents(SERIES_DIR)
 
 
 def has_patch(patch: str) -> bool:

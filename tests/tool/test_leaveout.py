@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from distbuild import leaveout
+from distbuild.errors import DistBuildError
 from distbuild.gitrepo import PRISTINE_REF, Repo
+from distbuild.series import series_entries
 
 PATCHES = ["0001-adds-helper.patch", "0002-native-and-python.patch", "0003-uses-helper.patch"]
 
@@ -64,44 +66,69 @@ def test_changed_paths_say_whether_the_compiled_build_can_be_reused(tree):
     assert variants[PATCHES[2]].python_only
 
 
-def test_the_series_file_must_declare_what_is_left_out_together(tree, tmp_path):
-    series = tmp_path / "series"
+def _series(tmp_path: Path, *rules: str) -> Path:
+    """A series folder: ``series`` lists PATCHES, ``leave-out`` holds ``rules``."""
+    (tmp_path / "series").write_text("\n".join(PATCHES) + "\n")
+    (tmp_path / leaveout.RULES_FILE).write_text("# which later patches build on a patch\n\n"
+                                                + "".join(f"{rule}\n" for rule in rules))
+    return tmp_path
 
-    series.write_text("\n".join(PATCHES) + "\n")
-    declared = leaveout.declared_dependents(series)
-    problems = leaveout.check_declarations(leaveout.left_out_variants(tree, PATCHES, declared), declared, series)
+
+def test_the_leave_out_file_must_declare_what_is_left_out_together(tree, tmp_path):
+    rules = _series(tmp_path) / leaveout.RULES_FILE
+    declared = leaveout.declared_dependents(tmp_path)
+    problems = leaveout.check_declarations(leaveout.left_out_variants(tree, PATCHES, declared), declared, rules)
     assert len(problems) == 1, problems
-    assert f"# leave-out: {PATCHES[0]} with {PATCHES[2]}: <why>" in problems[0]
+    assert problems[0].startswith(f"{rules}: without {PATCHES[0]}, {PATCHES[2]} does not apply")
+    assert f"write '{PATCHES[0]} with {PATCHES[2]}: <why>'" in problems[0]
 
-    series.write_text(f"# leave-out: {PATCHES[0]} with {PATCHES[2]}: 0003 edits the helper 0001 adds\n"
-                      + "\n".join(PATCHES) + "\n")
-    declared = leaveout.declared_dependents(series)
+    _series(tmp_path, f"{PATCHES[0]} with {PATCHES[2]}: 0003 edits the helper 0001 adds")
+    declared = leaveout.declared_dependents(tmp_path)
     variants = leaveout.left_out_variants(tree, PATCHES, declared)
-    assert leaveout.check_declarations(variants, declared, series) == []
+    assert leaveout.check_declarations(variants, declared, rules) == []
     assert variants[0].undeclared == ()
 
 
 def test_a_declared_dependent_is_left_out_even_when_it_applies(tree, tmp_path):
-    series = tmp_path / "series"
-    series.write_text(f"# leave-out: {PATCHES[0]} with {PATCHES[2]}: 0003 edits the helper 0001 adds\n"
-                      f"# leave-out: {PATCHES[1]} with {PATCHES[2]}: 0003 uses what 0002 adds at run time\n"
-                      + "\n".join(PATCHES) + "\n")
-    declared = leaveout.declared_dependents(series)
+    rules = _series(tmp_path, f"{PATCHES[0]} with {PATCHES[2]}: 0003 edits the helper 0001 adds",
+                    f"{PATCHES[1]} with {PATCHES[2]}: 0003 uses what 0002 adds at run time") / leaveout.RULES_FILE
+    declared = leaveout.declared_dependents(tmp_path)
     variants = {v.patch: v for v in leaveout.left_out_variants(tree, PATCHES, declared)}
 
     assert variants[PATCHES[1]].dependents == (PATCHES[2],)
-    assert leaveout.check_declarations(list(variants.values()), declared, series) == []
+    assert leaveout.check_declarations(list(variants.values()), declared, rules) == []
     core = Repo(tree).git("show", f"{variants[PATCHES[1]].tree_hash}:lmcache/core.py").stdout
     assert b"return A\n" in core  # 0003's edit is not there
 
 
 def test_a_declaration_must_name_a_later_patch(tree, tmp_path):
-    series = tmp_path / "series"
-    series.write_text(f"# leave-out: {PATCHES[2]} with {PATCHES[0]}: backwards\n"
-                      f"# leave-out: {PATCHES[0]} with {PATCHES[2]}: ok\n" + "\n".join(PATCHES) + "\n")
-    declared = leaveout.declared_dependents(series)
-    problems = leaveout.check_declarations(leaveout.left_out_variants(tree, PATCHES, declared), declared, series)
-    assert problems == [f"{series}: leave-out of {PATCHES[2]} names {PATCHES[0]}, which is not a later patch"]
+    rules = _series(tmp_path, f"{PATCHES[2]} with {PATCHES[0]}: backwards",
+                    f"{PATCHES[0]} with {PATCHES[2]}: ok") / leaveout.RULES_FILE
+    declared = leaveout.declared_dependents(tmp_path)
+    problems = leaveout.check_declarations(leaveout.left_out_variants(tree, PATCHES, declared), declared, rules)
+    assert problems == [f"{rules}: leave-out of {PATCHES[2]} names {PATCHES[0]}, which is not a later patch"]
+
+
+def test_a_rule_that_does_not_parse_names_its_file_and_line(tmp_path):
+    rules = _series(tmp_path, f"{PATCHES[0]} with {PATCHES[2]}: ok", f"{PATCHES[1]} {PATCHES[2]}") / leaveout.RULES_FILE
+    with pytest.raises(DistBuildError, match=f"{rules}:4: not '<patch> with"):
+        leaveout.declared_dependents(tmp_path)
+
+
+def test_a_rule_left_in_the_series_file_is_refused(tmp_path):
+    _series(tmp_path)
+    (tmp_path / "series").write_text(f"# leave-out: {PATCHES[0]} with {PATCHES[2]}: old place\n"
+                                     + "\n".join(PATCHES) + "\n")
+    with pytest.raises(DistBuildError, match=r"series:1: a leave-out rule belongs in .*leave-out"):
+        leaveout.declared_dependents(tmp_path)
+
+
+def test_the_project_series_declares_every_dependent_in_its_own_file():
+    series_dir = Path(__file__).resolve().parents[2] / "patches" / "lmcache"
+    declared = leaveout.declared_dependents(series_dir)
+    listed = set(series_entries(series_dir / "series"))
+    assert declared and set(declared) <= listed
+    assert all(names <= listed and why for names, why in declared.values())
 
 
 def test_commits_must_match_the_series(tree):
