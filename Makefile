@@ -6,7 +6,7 @@ WORK ?= $(CURDIR)/work
 DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
 FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
 
-.PHONY: help gpu-bundles image image-check image-repro lock-debian lock test stress sources fetch flashinfer-artifacts patched export health manifest lint pin audit chart clean
+.PHONY: help gpu-bundles image image-check image-repro lock-debian lock test stress sources fetch flashinfer-artifacts patched export health manifest lint pin audit chart picture clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -76,6 +76,9 @@ audit: ## arch audit gate: make audit AUDIT_PATH=dir|file|oci-archive [TARGET=sm
 
 chart: ## package the Helm chart self-contained (links resolved) into work/chart, check it renders as the source, print its sha256
 	PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild.chart --work $(WORK)
+
+picture: ## draw docs/dataflow.svg from its text source docs/dataflow.dot (needs Graphviz's dot)
+	PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild.picture
 
 clean: ## remove work/ except the download cache
 	find $(WORK) -mindepth 1 -maxdepth 1 ! -name cache -exec rm -rf {} +
