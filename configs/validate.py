@@ -501,7 +501,8 @@ def check_vllm_file(path: str | os.PathLike, model: str = DEFAULT_MODEL) -> Vllm
                     raise ConfigError(path, f"{base}[{i}]", "expected a mapping")
                 if "engine_id" in child:
                     raise ConfigError(path, f"{base}[{i}].engine_id", "MultiConnector passes the "
-                                      "parent's engine_id; a child's own breaks KVTransferConfig(**child, engine_id=...)")
+                                      "parent's engine_id; a child's own breaks "
+                                      "KVTransferConfig(**child, engine_id=...)")
                 try:  # as MultiConnector._get_connector_classes_and_configs does
                     child_cfg = KVTransferConfig(**child, engine_id=ktc.engine_id)
                 except ValidationError as e:

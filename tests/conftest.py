@@ -121,7 +121,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if left_out is not None and left_out not in known:
         raise pytest.UsageError(f"{TREE_ENV}={tree!r}: {left_out} is not listed in patches/*/series")
     if variant is not None and variant[1] is not None and variant not in parts:
-        raise pytest.UsageError(f"{TREE_ENV}={tree!r}: no tests/parts/*/{Path(left_out).stem}.{variant[1]}{PART_SUFFIX}")
+        raise pytest.UsageError(f"{TREE_ENV}={tree!r}: "
+                                f"no tests/parts/*/{Path(left_out).stem}.{variant[1]}{PART_SUFFIX}")
     deselected: list[pytest.Item] = []
     proof_files: dict[str, set[str]] = {}
     for item in list(items):

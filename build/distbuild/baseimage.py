@@ -167,23 +167,26 @@ def ensure_base(engine: Engine, work: Path, log: Callable[[str], None] = print, 
         root = Path(tmp) / "rootfs"
         log(f"base     debootstrap {suite} (minbase + {', '.join(PACKAGES)}) from {mirror}")
         env = {**os.environ, "SOURCE_DATE_EPOCH": str(epoch), "PYTHONHASHSEED": "0"}
-        result = subprocess.run([debootstrap, "--variant=minbase", f"--include={','.join(PACKAGES)}", suite, str(root), mirror],
+        result = subprocess.run([debootstrap, "--variant=minbase", f"--include={','.join(PACKAGES)}", suite,
+                                 str(root), mirror],
                                 capture_output=True, text=True, env=env)
         if result.returncode != 0:
             raise DistBuildError(f"debootstrap failed:\n{(result.stdout + result.stderr)[-2000:]}")
         if suite == SUITE and (want or relock):
             (root / "etc/apt/sources.list").write_text(sources_list(mirror, security, suite))
             if relock:
-                log(f"base     upgrading to the current {suite}, {suite}-updates, {suite}-security; writing the [base] lock")
+                log(f"base     upgrading to the current {suite}, {suite}-updates, {suite}-security; "
+                    "writing the [base] lock")
                 done = _chroot_aptpin(root, ["resolve", "--stage", "base", "--all", *PACKAGES])
                 if done.returncode != 0:
-                    raise DistBuildError(f"base: locking the Debian packages failed:\n{(done.stdout + done.stderr)[-2000:]}")
+                    raise DistBuildError("base: locking the Debian packages failed:\n"
+                                         f"{(done.stdout + done.stderr)[-2000:]}")
                 (work / "base-lock.txt").write_text(done.stdout)
                 # The install below finds every package at its locked version and only checks and cleans.
                 (root / "tmp" / "debian.txt").write_text(done.stdout)
             else:
                 (root / "tmp" / "debian.txt").write_text(lock_text)
-            log(f"base     pinning every package to build/lock/debian.txt [base] (sha256 of each .deb checked)")
+            log("base     pinning every package to build/lock/debian.txt [base] (sha256 of each .deb checked)")
             done = _chroot_aptpin(root, ["install", "--lock", "/tmp/debian.txt", "--stage", "base", "--exact"])
             (root / "tmp" / "debian.txt").unlink(missing_ok=True)
             if done.returncode != 0:
@@ -210,17 +213,20 @@ def ensure_base(engine: Engine, work: Path, log: Callable[[str], None] = print, 
         if relock:
             want = f"{section_digest((work / 'base-lock.txt').read_text())}@{epoch}"
         labels = {"io.glm53.base.rootfs.sha256": digest, **({LOCK_LABEL: want} if want else {})}
-        buildah = engine.binary if engine.name == "buildah" else (os.environ.get("DIST_BUILDAH") or shutil.which("buildah"))
+        buildah = (engine.binary if engine.name == "buildah"
+                   else (os.environ.get("DIST_BUILDAH") or shutil.which("buildah")))
         if buildah:
             # buildah commits with a fixed timestamp (created, history, every file's mtime): the same
             # tar and epoch give the same image id (measured: make image-repro). `podman import`
             # stamps the current time.
-            ctr = subprocess.run([buildah, "from", "scratch"], capture_output=True, text=True, check=True).stdout.strip()
+            ctr = subprocess.run([buildah, "from", "scratch"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
             try:
                 mnt = subprocess.run([buildah, "mount", ctr], capture_output=True, text=True, check=True).stdout.strip()
                 subprocess.run(["tar", "-C", mnt, "--numeric-owner", "-xf", str(tar)], check=True)
                 subprocess.run([buildah, "umount", ctr], check=True, stdout=subprocess.DEVNULL)
-                subprocess.run([buildah, "config", "--cmd", "/bin/bash", "--created-by", f"debootstrap {suite} (distbuild)",
+                subprocess.run([buildah, "config", "--cmd", "/bin/bash", "--created-by",
+                                f"debootstrap {suite} (distbuild)",
                                 *[f"--label={k}={v}" for k, v in labels.items()], ctr], check=True)
                 # OCI format: the docker format's config records the build container's random id
                 # (buildah 1.28), which would make the base's id, and every stage's BASE_IMAGE
@@ -230,7 +236,8 @@ def ensure_base(engine: Engine, work: Path, log: Callable[[str], None] = print, 
             finally:
                 subprocess.run([buildah, "rm", ctr], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         else:
-            log("base     NOTE: no buildah here: `docker import` stamps the current time, so the base's id differs per build")
+            log("base     NOTE: no buildah here: `docker import` stamps the current time, "
+                "so the base's id differs per build")
             subprocess.run([engine.binary, "import", "--change", "CMD [\"/bin/bash\"]",
                             *[f"--change=LABEL {k}={v}" for k, v in labels.items()], str(tar), tag],
                            check=True, stdout=subprocess.DEVNULL)

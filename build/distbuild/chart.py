@@ -140,7 +140,8 @@ def package(work: Path, repo: Path = REPO_ROOT, helm: str | None = None, log=pri
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m distbuild.chart",
-                                 description="Package the Helm chart self-contained under WORK/chart and print its sha256.")
+                                 description="Package the Helm chart self-contained under WORK/chart "
+                                 "and print its sha256.")
     ap.add_argument("--work", type=Path, default=REPO_ROOT / "work", help="the work folder (default: work/)")
     args = ap.parse_args(argv)
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from .index import IndexClient, IndexConfig
 from .paths import Layout
 from .prepare import prepare
 from .series import check_headers, load_series
+from .style import style_problems
 
 
 def _client() -> IndexClient:
@@ -82,7 +82,8 @@ def cmd_export(args: argparse.Namespace, layout: Layout) -> int:
     identity = args.identity or os.environ.get("DIST_PATCH_IDENTITY") or None
     result = export_step.export(
         args.upstream, layout.tree(args.upstream), layout.series_dir(args.upstream),
-        identity=parse_identity(identity, "--identity" if args.identity else "DIST_PATCH_IDENTITY") if identity else None,
+        identity=(parse_identity(identity, "--identity" if args.identity else "DIST_PATCH_IDENTITY")
+                  if identity else None),
     )
     print(f"export {args.upstream}: {len(result.written)} written, {len(result.unchanged)} unchanged, "
           f"{len(result.removed)} removed")
@@ -94,7 +95,8 @@ def cmd_health(args: argparse.Namespace, layout: Layout) -> int:
     name, _ = health_step.parse_spec(args.spec)
     upstream = args.upstream
     if upstream is None:
-        matches = [p.upstream for p in pins if p.upstream and pins_step.normalize_name(p.name) == pins_step.normalize_name(name)]
+        matches = [p.upstream for p in pins
+                   if p.upstream and pins_step.normalize_name(p.name) == pins_step.normalize_name(name)]
         if not matches:
             raise DistBuildError(f"{name}: not an upstream of this distribution; pass --upstream")
         upstream = matches[0]
@@ -116,9 +118,11 @@ def cmd_lint(args: argparse.Namespace, layout: Layout) -> int:
         notice = placeholder_notice(patches)
         if notice:
             print(notice)
+    style = style_problems(layout.repo, layout.work)
+    problems.extend(style)
     for problem in problems:
         print(problem, file=sys.stderr)
-    print(f"lint: {len(pins)} pins, {len(problems)} problem(s)")
+    print(f"lint: {len(pins)} pins, {len(problems)} problem(s), {len(style)} of them ruff's")
     return 1 if problems else 0
 
 
@@ -144,7 +148,8 @@ def cmd_pin(args: argparse.Namespace, layout: Layout) -> int:
         updated = [p for p in pins if not (pins_step.normalize_name(p.name) == pins_step.normalize_name(name)
                                            and p.role == new.role and _same_slot(p, new))] + [new]
     before, after = pins_step.dumps(pins), pins_step.dumps(updated)
-    diff = "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), "pins.toml (locked)", "pins.toml (index)"))
+    diff = "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True),
+                                        "pins.toml (locked)", "pins.toml (index)"))
     if not diff:
         print("pins: no change")
         return 0
@@ -375,7 +380,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("manifest", help="rewrite work/manifest.json")
     s.set_defaults(func=cmd_manifest)
 
-    s = sub.add_parser("lint", help="check the lock file and the series' headers")
+    s = sub.add_parser("lint", help="check the lock file, the series' headers and the Python style (ruff)")
     s.set_defaults(func=cmd_lint)
 
     s = sub.add_parser("pin", help="add or refresh pins from the index; prints the diff")
@@ -422,8 +427,10 @@ def parser() -> argparse.ArgumentParser:
                        "verified along FlashInfer's own hash chain")
     s.add_argument("--mirror", help="FlashInfer store layout: http(s) URL or local folder (default: "
                    "$FLASHINFER_CUBINS_REPOSITORY, else the store the patched tree names)")
-    s.add_argument("--tree", help="FlashInfer tree whose artifacts.py pins the manifests (default: the patched work/src/flashinfer)")
-    s.add_argument("--check", action="store_true", help="only report whether the cached set is complete (exit 1 if not)")
+    s.add_argument("--tree", help="FlashInfer tree whose artifacts.py pins the manifests "
+                   "(default: the patched work/src/flashinfer)")
+    s.add_argument("--check", action="store_true",
+                   help="only report whether the cached set is complete (exit 1 if not)")
     s.add_argument("--deep", action="store_true", help="with --check: re-hash every file")
     s.set_defaults(func=cmd_flashinfer_artifacts)
 
@@ -440,7 +447,8 @@ def parser() -> argparse.ArgumentParser:
                         "set and its modules compiled ahead of time (without it: a development image)")
     s.add_argument("--no-layer-sizes", action="store_true", help="skip the gzip layer table (minutes)")
     s.add_argument("--repro", action="store_true", help="build twice on clean storage and compare every stage's digest")
-    s.add_argument("--lock-debian", action="store_true", help="re-resolve build/lock/debian.txt against the live suites")
+    s.add_argument("--lock-debian", action="store_true",
+                   help="re-resolve build/lock/debian.txt against the live suites")
     s.set_defaults(func=cmd_image)
 
     s = sub.add_parser("pristine-tree", help="write the pristine tree of an upstream into DEST")

@@ -94,7 +94,8 @@ def is_debian(os_release: Path = Path("/etc/os-release")) -> bool:
 def write_containers_conf(path: Path = CONTAINERS_CONF, log: Callable[[str], None] = print) -> bool:
     """Write our containers.conf unless the admin has their own; True when written."""
     if path.is_file() and CONF_MARKER not in path.read_text():
-        log(f"engine   keeping the existing {path} (not ours); it needs runtime=runc and the ulimits of docs/building.md")
+        log(f"engine   keeping the existing {path} (not ours); "
+            "it needs runtime=runc and the ulimits of docs/building.md")
         return False
     if path.is_file() and path.read_text() == CONF_TEXT:
         return False
@@ -104,7 +105,8 @@ def write_containers_conf(path: Path = CONTAINERS_CONF, log: Callable[[str], Non
     return True
 
 
-def install_engine(log: Callable[[str], None] = print, run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> Engine:
+def install_engine(log: Callable[[str], None] = print,
+                   run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> Engine:
     """apt-get install podman + buildah + runc, then configure them (root, Debian only)."""
     if not is_debian():
         raise DistBuildError("no working container engine (docker, podman or buildah) and this is not Debian: "
@@ -114,7 +116,8 @@ def install_engine(log: Callable[[str], None] = print, run: Callable[..., subpro
                              f"run `sudo apt-get install {' '.join(APT_PACKAGES)}` or `make image` as root")
     log(f"engine   no working docker, podman or buildah here: installing {' '.join(APT_PACKAGES)} with apt-get")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *APT_PACKAGES]):
+    for cmd in (["apt-get", "update", "-qq"],
+                ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *APT_PACKAGES]):
         result = run(cmd, env=env, capture_output=True, text=True)
         if result.returncode != 0:
             raise DistBuildError(f"`{' '.join(cmd)}` failed:\n{(result.stderr or result.stdout)[-2000:]}")

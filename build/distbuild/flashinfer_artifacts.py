@@ -271,7 +271,8 @@ def fetch_set(pins: Pins, mirror: Mirror, root: Path, log: Callable[[str], None]
                 if not bar.tty and done * 10 // len(todo) != (done - 1) * 10 // len(todo):
                     log(f"fetch    {artifact.key}: {done}/{len(todo)} file(s)")
             bar.close()
-        record["artifacts"].append({"key": artifact.key, "path": artifact.path, "manifest_sha256": artifact.manifest_sha256,
+        record["artifacts"].append({"key": artifact.key, "path": artifact.path,
+                                    "manifest_sha256": artifact.manifest_sha256,
                                     "files": len(entries), "modules": list(NEEDED.get(artifact.key, ()))})
     _write_atomic(root / RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
     return result

@@ -39,7 +39,8 @@ class Repo:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def git(self, *args: str, check: bool = True, input: bytes | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def git(self, *args: str, check: bool = True, input: bytes | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         result = subprocess.run(
             ["git", "-c", "core.autocrlf=false", "-c", "core.fileMode=true", "-c", "gc.auto=0", *args],
             cwd=self.path,

@@ -147,7 +147,8 @@ def make(repo: Path, work: Path, python: Path, cuda: Path, versions: dict[str, s
     env = {**os.environ, "DIST_CUDA_HOME": str(cuda), "DIST_WORK": str(work)}
     steps = [
         (ACTIVATION_BUNDLE, [sys.executable, str(repo / "tests/flashinfer/gpu/run.py"), "--work", str(work),
-                             "--make-bundle", str(work / ACTIVATION_BUNDLE), "--out", str(work / "tmp" / "activation-bundle")]),
+                             "--make-bundle", str(work / ACTIVATION_BUNDLE),
+                             "--out", str(work / "tmp" / "activation-bundle")]),
         (LMCACHE_BUNDLE, [str(python), str(repo / "tests/lmcache/gpu/make_bundle.py"), "--dest",
                           str(work / LMCACHE_BUNDLE), "--lmcache-tree", str(work / "src" / "lmcache"),
                           "--venv-python", str(python)]),

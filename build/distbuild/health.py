@@ -77,7 +77,8 @@ def check_series(sdist: Path, patches: list[Patch], workdir: Path) -> list[Patch
     return report
 
 
-def health(spec: str, patches: list[Patch], cache: Path, client: IndexClient, log: Callable[[str], None] = print) -> list[PatchHealth]:
+def health(spec: str, patches: list[Patch], cache: Path, client: IndexClient,
+           log: Callable[[str], None] = print) -> list[PatchHealth]:
     name, version = parse_spec(spec)
     pin = resolve_sdist(client, name, version)
     target = cache / pin.filename

@@ -46,7 +46,8 @@ from .lock import check_host  # noqa: F401  (re-exported for tests)
 from .paths import Layout
 from .pins import load as load_pins, normalize_name
 
-STAGES = ("base", "build-base", "toolchain", "sources", "libfabric", "build-env", "lmcache-wheel", "flashinfer-wheel", "runtime")
+STAGES = ("base", "build-base", "toolchain", "sources", "libfabric", "build-env", "lmcache-wheel", "flashinfer-wheel",
+          "runtime")
 STAGE_TAG = "localhost/glm53-stage:{stage}"
 # SOURCE_DATE_EPOCH of the stages: the commit time of the last change to what they read. Only
 # these paths: a change to configs/ or the operator tools rebuilds the runtime's tail, not the
@@ -107,7 +108,8 @@ def check_inputs(layout: Layout) -> None:
         raise DistBuildError(f"{dockerfile}: missing")
     for name in ("image.txt", "builder.txt"):
         if not (layout.repo / "build" / "lock" / name).is_file():
-            raise DistBuildError(f"build/lock/{name}: missing; run `make lock` (resolves the image's dependencies by hash)")
+            raise DistBuildError(f"build/lock/{name}: missing; "
+                                 "run `make lock` (resolves the image's dependencies by hash)")
     declared = dockerfile_args(dockerfile)
     by_name = {normalize_name(p.name): p for p in pins if p.role in ("image", "upstream")}
     wanted = {"VLLM_VERSION": "vllm", "TORCH_VERSION": "torch", "LMCACHE_VERSION": "lmcache",
@@ -115,9 +117,11 @@ def check_inputs(layout: Layout) -> None:
     for arg, project in wanted.items():
         pin = by_name.get(project)
         if pin is None:
-            raise DistBuildError(f"build/pins.toml: no pin for {project} (the Dockerfile's {arg} needs one); add it with make pin")
+            raise DistBuildError(f"build/pins.toml: no pin for {project} (the Dockerfile's {arg} needs one); "
+                                 "add it with make pin")
         if declared.get(arg) != pin.version:
-            raise DistBuildError(f"Dockerfile ARG {arg}={declared.get(arg)} but build/pins.toml pins {project} {pin.version}")
+            raise DistBuildError(f"Dockerfile ARG {arg}={declared.get(arg)} "
+                                 f"but build/pins.toml pins {project} {pin.version}")
     _imagectl()
     from imagectl.locks import entries_from_lock
     lock = entries_from_lock((layout.repo / "build" / "lock" / "image.txt").read_text())
@@ -186,7 +190,8 @@ class Builder:
         took = time.monotonic() - started
         self.times[stage] = round(took, 1)
         if rc != 0:
-            raise DistBuildError(f"stage {stage} failed after {took:.0f} s (full log: {self.out / 'logs' / (stage + '.log')}):\n"
+            raise DistBuildError(f"stage {stage} failed after {took:.0f} s "
+                                 f"(full log: {self.out / 'logs' / (stage + '.log')}):\n"
                                  f"{failure_summary(tail)}")
         self.log(f"stage    [{n}/{len(STAGES)}] {stage} done in {took:.0f} s")
         return tag
@@ -356,7 +361,8 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print,
             if stage == "flashinfer-wheel":
                 aot = builder.read_json(tag, "/out/flashinfer-aot.json")
                 if aot.get("status") != "built":
-                    log(f"image    NOTE: FlashInfer {aot.get('module')} was NOT compiled ahead of time: {aot.get('reason')}")
+                    log(f"image    NOTE: FlashInfer {aot.get('module')} was NOT compiled ahead of time: "
+                        f"{aot.get('reason')}")
                     log(f"image    NOTE: {aot.get('consequence')}")
                     if options.release:
                         raise DistBuildError(f"RELEASE=1: the flashinfer-wheel stage compiled no FlashInfer module "
@@ -365,7 +371,8 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print,
     report["image"] = final
     if options.target == "runtime":
         inside = builder.read_json(final, "/opt/glm53/manifest.json")
-        wrong = labels_mod.mismatches(builder.labels(final), inside, inside["outputs"]["flashinfer-fused-moe-aot"]["status"])
+        wrong = labels_mod.mismatches(builder.labels(final), inside,
+                                      inside["outputs"]["flashinfer-fused-moe-aot"]["status"])
         if wrong:
             raise DistBuildError("image labels disagree with its manifest: " + "; ".join(wrong))
         log("image    labels agree with /opt/glm53/manifest.json")
@@ -389,7 +396,8 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print,
             report["audit"] = audit_image(layout, engine, final, options.audit_target, log)
             if not report["audit"]["passed"]:
                 _write_report(builder.out, report, started)
-                raise DistBuildError(f"the arch audit failed for {options.audit_target} (above; JSON in work/image/audit.json)")
+                raise DistBuildError(f"the arch audit failed for {options.audit_target} "
+                                     "(above; JSON in work/image/audit.json)")
         if options.layers:
             from . import layertable
             report["release_digest"], report["layers"] = layertable.release(engine, final, builder.out / "oci", log)
@@ -479,8 +487,10 @@ def audit_image(layout: Layout, engine: engine_step.Engine, image: str, target: 
     if engine.name in ("podman", "buildah") and os.geteuid() == 0:
         sub = [engine.binary, "image", "mount", image] if engine.name == "podman" else None
         if sub is None:
-            ctr = subprocess.run([engine.binary, "from", "--quiet", image], capture_output=True, text=True, check=True).stdout.strip()
-            root = subprocess.run([engine.binary, "mount", ctr], capture_output=True, text=True, check=True).stdout.strip()
+            ctr = subprocess.run([engine.binary, "from", "--quiet", image],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+            root = subprocess.run([engine.binary, "mount", ctr],
+                                  capture_output=True, text=True, check=True).stdout.strip()
             unmount = [engine.binary, "rm", ctr]
         else:
             root = subprocess.run(sub, capture_output=True, text=True, check=True).stdout.strip()
@@ -490,7 +500,8 @@ def audit_image(layout: Layout, engine: engine_step.Engine, image: str, target: 
         log(f"audit    saving {image} to {archive}")
         subprocess.run([engine.binary, "save", "-o", str(archive), image], check=True)
         root, unmount = str(archive), None
-    log(f"audit    {image} ({root}) for {target} with build/audit-allowlist.txt (cuobjdump on every CUDA object: minutes)")
+    log(f"audit    {image} ({root}) for {target} with build/audit-allowlist.txt "
+        "(cuobjdump on every CUDA object: minutes)")
     started = time.monotonic()
     try:
         report = audit_step.audit(Path(root), target, tool, allow)

@@ -165,7 +165,9 @@ class IndexClient:
 
     @staticmethod
     def _find_links(link: str) -> list[IndexFile]:
-        path = Path(urllib.request.url2pathname(urllib.parse.urlsplit(link).path)) if link.startswith("file:") else Path(link)
+        path = (Path(urllib.request.url2pathname(urllib.parse.urlsplit(link).path)) if link.startswith("file:")
+                else Path(link))
         if not path.is_dir():
             return []
-        return [IndexFile(filename=p.name, url=p.as_uri(), sha256=None, size=p.stat().st_size) for p in sorted(path.iterdir()) if p.is_file()]
+        return [IndexFile(filename=p.name, url=p.as_uri(), sha256=None, size=p.stat().st_size)
+                for p in sorted(path.iterdir()) if p.is_file()]

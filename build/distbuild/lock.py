@@ -145,7 +145,8 @@ def resolve(specs: list[str], index_url: str, python: str = sys.executable,
                "--index-url", index_url, "--only-binary=:all:", *extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
         env["PIP_CONFIG_FILE"] = os.devnull
-        print(f"lock     resolving {len(specs)} requirement(s) with pip against {index_url} (a few minutes)", flush=True)
+        print(f"lock     resolving {len(specs)} requirement(s) with pip against {index_url} (a few minutes)",
+              flush=True)
         added: list[markers.MissedRequirement] = []
         for _ in range(MAX_MARKER_ROUNDS):
             data = _pip_report(cmd, [*specs, *(m.requirement for m in added)], env, tmp)
@@ -209,9 +210,11 @@ def write_locks(pins: list[Pin], lock_dir: Path, index_url: str, tools: list[str
     # The builder uses the runtime's versions of what both install (torch,
     # apache-tvm-ffi: the AOT module must match the runtime's ABI), except the
     # grpc pair LMCache's build pins exactly.
-    shared = [x for x in image if not x.name.startswith("grpcio") and x.name not in {normalize_name(n) for n in IMAGE_EXTRA}]
+    shared = [x for x in image
+              if not x.name.startswith("grpcio") and x.name not in {normalize_name(n) for n in IMAGE_EXTRA}]
     builder = resolve(builder_specs(pins), index_url, constraints=shared)
-    check_against_pins([x for x in builder if x.name == "torch"], [p for p in pins if normalize_name(p.name) == "torch"])
+    check_against_pins([x for x in builder if x.name == "torch"],
+                       [p for p in pins if normalize_name(p.name) == "torch"])
     lock_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in (("image.txt", render(image, "Runtime closure of the serving image.", IMAGE_EXTRA,

@@ -60,7 +60,8 @@ def missed_requirements(install: list[dict], python_full_version: str) -> list[M
             try:
                 req = Requirement(text)
             except InvalidRequirement as exc:
-                raise DistBuildError(f"{meta['name']} {meta['version']}: unreadable Requires-Dist {text!r}: {exc}") from exc
+                raise DistBuildError(f"{meta['name']} {meta['version']}: "
+                                     f"unreadable Requires-Dist {text!r}: {exc}") from exc
             if req.marker is None:
                 continue  # unconditional: pip already resolved it
             if not any(req.marker.evaluate({**env, "extra": extra}) for extra in extras):

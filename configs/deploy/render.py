@@ -185,7 +185,8 @@ def split(docs: list[dict]) -> dict[str, list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Render the GLM-5.3 P/D cell (Helm chart configs/deploy/chart) and check it.")
+    ap = argparse.ArgumentParser(description="Render the GLM-5.3 P/D cell (Helm chart configs/deploy/chart) "
+                                 "and check it.")
     ap.add_argument("-f", "--values", dest="values", action="append", default=[], type=Path,
                     help="a values file over the chart's values.yaml (repeatable)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",

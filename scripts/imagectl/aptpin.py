@@ -167,7 +167,8 @@ def install(lock: Path, stage: str, exact: bool = False) -> int:
         raise PinError(f"[{stage}] installed set differs from the lock: " + "; ".join(
             wrong + [f"{n} {after[n]} not in the lock" for n in extra]))
     clean()
-    print(f"aptpin: [{stage}] {len(wanted)} package(s) at their locked versions ({len(todo)} installed, sha256 checked)")
+    print(f"aptpin: [{stage}] {len(wanted)} package(s) at their locked versions "
+          f"({len(todo)} installed, sha256 checked)")
     return 0
 
 

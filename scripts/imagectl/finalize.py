@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args.sbom.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     kinds = sbom.count_kinds(doc)
     print(f"finalize wrote {args.manifest} and {args.sbom} ({len(doc['components'])} components: "
-          f"{kinds['pypi']} Python, {kinds['deb']} Debian, {kinds['bundled']} bundled native libraries, {kinds['source']} built from source)")
+          f"{kinds['pypi']} Python, {kinds['deb']} Debian, {kinds['bundled']} bundled native libraries, "
+          f"{kinds['source']} built from source)")
     return 0
 
 

@@ -192,14 +192,16 @@ def build(tree: Path, cubins_in: Path, out: Path, status_file: Path) -> int:
     cubins.mkdir(parents=True, exist_ok=True)      # the runtime stage copies it either way
     (out / "aot").mkdir(parents=True, exist_ok=True)
     status: dict = {"module": MODULE, "cuda_arch_list": arch_list, "artifact_store": pins.store,
-                    "artifacts": {a.key: {"path": a.path, "manifest_sha256": a.manifest_sha256} for a in pins.artifacts},
+                    "artifacts": {a.key: {"path": a.path, "manifest_sha256": a.manifest_sha256}
+                                  for a in pins.artifacts},
                     "modules": {m.name: {"used_for": m.used_for, "artifacts": list(m.artifacts)} for m in MODULES}}
     reason, missing = _staged_problem(fa, pins, cubins_in)
     if reason is not None:
         status.update(status="missing", missing=missing, reason=reason, cubin_dir="",
                       consequence=consequence(pins.store, [a.key for a in pins.artifacts]))
         write_status(status_file, status)
-        print(f"flashinfer-aot: NOT BUILT ({', '.join(m.name for m in MODULES)} for {arch_list}): {reason}", file=sys.stderr)
+        print(f"flashinfer-aot: NOT BUILT ({', '.join(m.name for m in MODULES)} for {arch_list}): {reason}",
+              file=sys.stderr)
         for name in missing[:20]:
             print(f"flashinfer-aot: missing {name}", file=sys.stderr)
         if len(missing) > 20:
@@ -207,7 +209,8 @@ def build(tree: Path, cubins_in: Path, out: Path, status_file: Path) -> int:
         print(f"flashinfer-aot: on the GPU node: {status['consequence']}", file=sys.stderr)
         return 0
     try:   # verified again along the chain of the tree compiled here, while copied to OUT/cubins
-        fetched = fa.fetch_set(pins, fa.Mirror(str(cubins_in)), cubins, log=lambda line: print(f"flashinfer-aot: {line}"))
+        fetched = fa.fetch_set(pins, fa.Mirror(str(cubins_in)), cubins,
+                               log=lambda line: print(f"flashinfer-aot: {line}"))
     except DistBuildError as exc:
         print(f"flashinfer-aot: the staged artifact set is corrupt: {exc}", file=sys.stderr)
         return 1

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import hashlib
 
-UPSTREAMS = ("lmcache", "flashinfer", "vllm")
 from .flashinfer_aot import DEVELOPMENT
+
+UPSTREAMS = ("lmcache", "flashinfer", "vllm")
 
 # What an image is: a release carries FlashInfer's artifact set (make image RELEASE=1 requires
 # it); without it, DEVELOPMENT, in the words the self-test and the preflight use too.

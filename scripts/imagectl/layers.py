@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     for req in args.requirements:
         dists += names(req.read_text())
     ok, skipped = compile_dists(dists, args.jobs)
-    print(f"imagectl.layers: {ok} .pyc (unchecked-hash) for {len(dists)} distribution(s), {skipped} source(s) not compilable")
+    print(f"imagectl.layers: {ok} .pyc (unchecked-hash) for {len(dists)} distribution(s), "
+          f"{skipped} source(s) not compilable")
     return 0
 
 

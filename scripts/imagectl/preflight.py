@@ -438,7 +438,8 @@ def check_gpu(smi: str | None) -> Check:
     if problems:
         return Check("gpu", "FAIL", "; ".join(problems),
                      "run on a B300 node (p6-b300) with an R580+ NVIDIA driver")
-    return Check("gpu", "PASS", f"{len(gpus)} x {gpus[0][0]} (10.3), driver {gpus[0][2]}, CUDA {cuda.group(1)}.{cuda.group(2)}")
+    return Check("gpu", "PASS",
+                 f"{len(gpus)} x {gpus[0][0]} (10.3), driver {gpus[0][2]}, CUDA {cuda.group(1)}.{cuda.group(2)}")
 
 
 def check_model(model: str | None, offline: bool = False) -> Check:
@@ -456,7 +457,8 @@ def check_model(model: str | None, offline: bool = False) -> Check:
     try:
         config = json.loads(config_path.read_text())
     except FileNotFoundError:
-        return Check("model", "FAIL", f"{config_path} missing", "mount the model's whole folder (config.json with the weights)")
+        return Check("model", "FAIL", f"{config_path} missing",
+                     "mount the model's whole folder (config.json with the weights)")
     except (OSError, ValueError) as exc:
         return Check("model", "FAIL", f"{config_path}: {exc}", "mount an intact copy of the model")
     archs = config.get("architectures") or []
@@ -475,10 +477,12 @@ def check_model(model: str | None, offline: bool = False) -> Check:
                         "(moe-backend flashinfer_trtllm through vLLM's FP8 MoE oracle)")
     # FLASHINFER_MLA_SPARSE's own rules (vllm/v1/attention/backends/mla/flashinfer_mla_sparse.py).
     if "index_topk" not in text:
-        problems.append("no index_topk: not a sparse-indexer model, which attention-backend FLASHINFER_MLA_SPARSE needs")
+        problems.append("no index_topk: not a sparse-indexer model, "
+                        "which attention-backend FLASHINFER_MLA_SPARSE needs")
     rope, nope, rank = text.get("qk_rope_head_dim"), text.get("qk_nope_head_dim"), text.get("kv_lora_rank")
     if rope == 0 and (nope, rank) != (256, 512):
-        problems.append(f"no-rope MLA with qk_nope_head_dim={nope}, kv_lora_rank={rank}: FLASHINFER_MLA_SPARSE needs 256/512")
+        problems.append(f"no-rope MLA with qk_nope_head_dim={nope}, kv_lora_rank={rank}: "
+                        "FLASHINFER_MLA_SPARSE needs 256/512")
     elif rope and nope not in (128, 192):
         problems.append(f"qk_nope_head_dim={nope}: FLASHINFER_MLA_SPARSE needs 128 or 192")
     if problems:
@@ -504,7 +508,8 @@ def run_checks(role: str, model: str | None, environ: dict[str, str], config_roo
         checks.append(check_efa(backends, environ, fi_info=fi_info, gpu_visible=gpu is not None))
         checks.append(check_memlock(backends))
     except (OSError, ValueError) as exc:
-        checks.append(Check("nixl backends", "FAIL", f"{vllm_yaml}: {exc}", "the image ships the presets in /etc/glm53"))
+        checks.append(Check("nixl backends", "FAIL", f"{vllm_yaml}: {exc}",
+                            "the image ships the presets in /etc/glm53"))
     checks.append(check_flashinfer_artifacts(role, environ, aot=aot, probe=store_probe))
     checks.append(check_gpu(gpu))
     checks.append(check_model(model, offline=environ.get("HF_HUB_OFFLINE") == "1"))
@@ -520,7 +525,8 @@ def render(checks: list[Check], seconds: float) -> str:
             lines.append(f"preflight:       {'':<{width}}  fix: {c.fix}")
     fails = sum(c.status == "FAIL" for c in checks)
     lines.append(f"preflight: {'FAILED' if fails else 'ok'} in {seconds:.1f} s ({fails} fail, "
-                 f"{sum(c.status == 'WARN' for c in checks)} warn); skip with --skip-preflight or GLM53_SKIP_PREFLIGHT=1")
+                 f"{sum(c.status == 'WARN' for c in checks)} warn); "
+                 "skip with --skip-preflight or GLM53_SKIP_PREFLIGHT=1")
     return "\n".join(lines) + "\n"
 
 
@@ -533,7 +539,8 @@ def preflight(role: str, model: str | None, environ: dict[str, str], out=sys.std
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="preflight", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="preflight", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("role", choices=ROLES)
     p.add_argument("model", nargs="?", default=os.environ.get("MODEL"))
     p.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="the shared-memory mount to measure")

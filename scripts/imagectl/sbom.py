@@ -126,7 +126,8 @@ def bundled_libraries(dists: list[md.Distribution] | None = None) -> tuple[list[
             version = _LIB_VERSION.search(f.name)
             base = _AUDITWHEEL_HASH.sub("", f.name).split(".so")[0]
             ref = f"file:{rel}"
-            comp = {"type": "library", "bom-ref": ref, "name": base, "hashes": [{"alg": "SHA-256", "content": _file_sha256(path)}],
+            comp = {"type": "library", "bom-ref": ref, "name": base,
+                    "hashes": [{"alg": "SHA-256", "content": _file_sha256(path)}],
                     "properties": [{"name": "glm53:bundled-in", "value": owner}, {"name": "glm53:path", "value": rel}]}
             if version:
                 comp["version"] = version.group(1)
@@ -193,7 +194,8 @@ def image_document(hashes: dict[str, str], status_text: str | None, debian_lock:
 def count_kinds(doc: dict) -> dict[str, int]:
     refs = [c.get("bom-ref", "") for c in doc.get("components", [])]
     return {"pypi": sum(r.startswith("pkg:pypi/") for r in refs), "deb": sum(r.startswith("pkg:deb/") for r in refs),
-            "bundled": sum(r.startswith("file:") for r in refs), "source": sum(r.startswith("pkg:generic/") for r in refs)}
+            "bundled": sum(r.startswith("file:") for r in refs),
+            "source": sum(r.startswith("pkg:generic/") for r in refs)}
 
 
 def debian_lock_entries(text: str) -> dict[str, tuple[str, str]]:

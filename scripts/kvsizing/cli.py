@@ -134,7 +134,8 @@ def _load_inputs_file(path: Path) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kv-sizing", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--inputs", type=Path, help="a YAML/JSON file with the fields below (flags override it)")
     for name, (flag, help_) in FIELDS.items():
         p.add_argument(flag, dest=name, help=help_)
@@ -350,7 +351,8 @@ def report(i: Inputs, source: str, measured: list[Measurement] | None = None, ch
     lines.append("results")
     lines.append(f"  break-even bandwidth B* = s*R     {_gb(r.break_even_bandwidth)}/s per prompt")
     chunks = math.ceil(i.prompt_tokens / chunk_tokens)
-    lines.append(f"  prompt KV n*s                     {_gb(r.prompt_bytes)}  ({chunks} chunks of {chunk_tokens} tokens)")
+    lines.append(f"  prompt KV n*s                     {_gb(r.prompt_bytes)}  "
+                 f"({chunks} chunks of {chunk_tokens} tokens)")
     lines.append(f"  per-rank share n*s/W              {r.per_rank_bytes / 1e6:.1f} MB  "
                  f"({r.per_rank_seconds:.3f} s from its instance, alone)")
     lines.append(f"  load time T_load = n*s/B          {r.load_seconds:.3f} s  (one prompt alone)")

@@ -70,7 +70,8 @@ def test_router_pod_monitor_follows_the_monitoring_switch(docs):
     deployment = by(monitored, "Deployment", "glm53-pd-proxy")
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert all(labels[k] == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
-    ports = {p["name"]: p["containerPort"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+    ports = {p["name"]: p["containerPort"]
+             for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
     endpoints = monitor["spec"]["podMetricsEndpoints"]
     assert [e["port"] for e in endpoints] == ["metrics", "metrics-retry"]
     assert [ports[e["port"]] for e in endpoints] == [29000, 29001]   # the routers' --prometheus-port
@@ -117,7 +118,8 @@ def test_the_decode_outage_is_stated_where_its_replicas_are_set():
 def test_install_notes_name_the_decode_outage(tmp_path):
     env = {"HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none"), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([render.helm_binary(), "install", "glm53", str(render.CHART), "-n", "vllm", "--dry-run=client",
-                          *[a for s in sets() for a in ("--set", s)]], capture_output=True, text=True, env=env, timeout=120)
+                          *[a for s in sets() for a in ("--set", s)]],
+                         capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     notes = out.stdout.split("NOTES:", 1)[1]
     assert "One decode pod: its restart (rollout, drain, node loss) is an outage" in notes
@@ -139,7 +141,8 @@ def test_two_releases_render_no_common_object(blue, green):
     classes = [by(d, "PriorityClass")[0]["metadata"]["name"] for d in (first, second)]
     assert classes == [f"{blue[0]}.{blue[1]}", f"{green[0]}.{green[1]}"]
     for rendered, name in zip((first, second), classes):
-        assert {d["spec"]["template"]["spec"]["priorityClassName"] for d in rendered if "template" in d.get("spec", {})} == {name}
+        assert {d["spec"]["template"]["spec"]["priorityClassName"]
+                for d in rendered if "template" in d.get("spec", {})} == {name}
 
 
 def test_a_second_cell_may_share_an_existing_priority_class():

@@ -104,7 +104,8 @@ def no_huge_pages():
 
 
 def pods(docs):
-    return {f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]["spec"] for d in docs if d["kind"] in WORKLOADS}
+    return {f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]["spec"]
+            for d in docs if d["kind"] in WORKLOADS}
 
 
 def test_the_checker_catches_what_each_profile_forbids():
@@ -141,7 +142,8 @@ def test_with_the_defaults_only_the_engines_hostpaths_leave_baseline(defaults):
 
 
 def test_with_the_shared_file_system_example_every_pod_meets_restricted():
-    docs = render.render(sets("monitoring.valkeyExporter.enabled=true", f"monitoring.valkeyExporter.image={VALKEY_IMAGE}"),
+    docs = render.render(sets("monitoring.valkeyExporter.enabled=true",
+                              f"monitoring.valkeyExporter.image={VALKEY_IMAGE}"),
                          values=[FSX])
     found = {name: restricted_violations(pod) for name, pod in pods(docs).items()}
     assert set(found) == {"StatefulSet/valkey-lmcache", "Deployment/glm53-pd-proxy", "StatefulSet/glm53-prefill",

@@ -82,11 +82,13 @@ def test_cache_claim_per_pod(claimed, role):
                                 "resources": {"requests": {"storage": "100Gi"}}}
     assert all(v["name"] != "cache" for v in sts["spec"]["template"]["spec"]["volumes"])
     assert {"name": "cache", "mountPath": "/cache"} in container(sts)["volumeMounts"]
-    assert {"name": "cache", "mountPath": "/cache"} in sts["spec"]["template"]["spec"]["initContainers"][0]["volumeMounts"]
+    assert ({"name": "cache", "mountPath": "/cache"}
+            in sts["spec"]["template"]["spec"]["initContainers"][0]["volumeMounts"])
 
 
 def test_cache_claim_without_a_storage_class_uses_the_default():
-    docs = render_cell("cache.volume=null", "cache.claimTemplate.size=50Gi", "cache.claimTemplate.accessModes={ReadWriteOnce}")
+    docs = render_cell("cache.volume=null", "cache.claimTemplate.size=50Gi",
+                       "cache.claimTemplate.accessModes={ReadWriteOnce}")
     (template,) = by(docs, "StatefulSet", "glm53-prefill")["spec"]["volumeClaimTemplates"]
     assert "storageClassName" not in template["spec"]
 
@@ -195,9 +197,11 @@ def test_docs_read_rate_follows_the_rendered_startup_budget(defaults):
     """docs/deploy.md's arithmetic uses the timeout the engines get: 5 pods x ~750 GB inside
     VLLM_ENGINE_READY_TIMEOUT_S (the whole of it, and half of it)."""
     docs = defaults
-    pods = by(docs, "StatefulSet", "glm53-prefill")["spec"]["replicas"] + by(docs, "StatefulSet", "glm53-decode")["spec"]["replicas"]
+    pods = (by(docs, "StatefulSet", "glm53-prefill")["spec"]["replicas"]
+            + by(docs, "StatefulSet", "glm53-decode")["spec"]["replicas"])
     timeouts = {int(e["value"]) for role in ("prefill", "decode")
-                for e in container(by(docs, "StatefulSet", f"glm53-{role}"))["env"] if e["name"] == "VLLM_ENGINE_READY_TIMEOUT_S"}
+                for e in container(by(docs, "StatefulSet", f"glm53-{role}"))["env"]
+                if e["name"] == "VLLM_ENGINE_READY_TIMEOUT_S"}
     (timeout,) = timeouts
     text = (REPO / "docs" / "deploy.md").read_text()
     total = pods * 750

@@ -131,7 +131,8 @@ def test_shards_spread_across_the_cells_nodes(docs):
     anti = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
     for role in ("prefill", "decode"):
-        assert by(docs, "StatefulSet", f"glm53-{role}")["spec"]["template"]["spec"]["nodeSelector"]["glm53.io/cell"] == "cell-a"
+        assert (by(docs, "StatefulSet", f"glm53-{role}")["spec"]["template"]["spec"]["nodeSelector"]["glm53.io/cell"]
+                == "cell-a")
 
 
 def test_valkey_runs_without_root_and_with_a_password_from_a_secret(docs):
@@ -430,7 +431,8 @@ def test_router_without_prefill_retry_is_the_pd_router_alone():
     assert [c["name"] for c in deployment["spec"]["template"]["spec"]["containers"]] == ["proxy"]
     cmd = container(deployment)["command"]
     assert "--prefill" not in cmd and _args(cmd, "--prefill-policy") == ["cache_aware"]
-    assert dict(term.split("=", 1) for term in _args(cmd, "--prefill-selector"))["app.kubernetes.io/component"] == "prefill"
+    assert dict(term.split("=", 1)
+                for term in _args(cmd, "--prefill-selector"))["app.kubernetes.io/component"] == "prefill"
 
 
 def test_router_extra_args_and_policies_come_from_values():
@@ -531,15 +533,17 @@ def test_a_tag_is_allowed_for_development_with_a_loud_warning(tmp_path):
     out = subprocess.run([render.helm_binary(), "install", "glm53", str(render.CHART), "-n", "vllm", "--dry-run=client",
                           "--set", f"image={tag}", "--set", f"valkeySpec.image={VALKEY_IMAGE}",
                           "--set", "allowUnpinnedImage=true"],
-                         capture_output=True, text=True, env={"HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none"),
-                                                              "PATH": "/usr/bin:/bin"}, timeout=120)
+                         capture_output=True, text=True,
+                         env={"HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none"),
+                              "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.returncode == 0, out.stderr
     notes = out.stdout.split("NOTES:", 1)[1]
     assert f"WARNING: image {tag} is NOT pinned by digest" in notes
     pinned = subprocess.run([render.helm_binary(), "install", "glm53", str(render.CHART), "-n", "vllm",
                              "--dry-run=client", *[a for s in sets() for a in ("--set", s)]],
-                            capture_output=True, text=True, env={"HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none"),
-                                                                 "PATH": "/usr/bin:/bin"}, timeout=120)
+                            capture_output=True, text=True,
+                            env={"HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none"),
+                                 "PATH": "/usr/bin:/bin"}, timeout=120)
     assert pinned.returncode == 0 and "NOTES:" in pinned.stdout and "WARNING" not in pinned.stdout.split("NOTES:", 1)[1]
 
 
@@ -689,7 +693,8 @@ def test_prefill_and_decode_must_use_the_same_nixl_backend(tmp_path):
     configs = _configs_with_backends(tmp_path, "LIBFABRIC", "UCX")
     with pytest.raises(render.RenderError) as err:
         render_cell(chart=_chart(configs))
-    assert "NIXL backends differ" in str(err.value) and '["LIBFABRIC"]' in str(err.value) and '["UCX"]' in str(err.value)
+    assert ("NIXL backends differ" in str(err.value) and '["LIBFABRIC"]' in str(err.value)
+            and '["UCX"]' in str(err.value))
 
 
 def test_nixl_host_libfabric_must_be_an_absolute_path():
@@ -767,7 +772,8 @@ def test_engine_pods_run_the_images_preflight_first_with_the_engines_devices(doc
     assert init["args"] == ["preflight", role, "/models/GLM-5.3-FP8"]
     for key in ("env", "resources", "securityContext", "volumeMounts"):
         assert init[key] == engine[key], key
-    assert "initContainers" not in by(render_cell("preflight=false"), "StatefulSet", f"glm53-{role}")["spec"]["template"]["spec"]
+    assert "initContainers" not in by(render_cell("preflight=false"), "StatefulSet",
+                                      f"glm53-{role}")["spec"]["template"]["spec"]
 
 
 # --- InfiniBand: nixlBackends and the example values file --------------------------------------

@@ -161,7 +161,8 @@ def test_writeup_eight_instances():
     assert r.aggregate_bandwidth / GB == pytest.approx(10.76)
     assert r.load_seconds == pytest.approx(0.074, abs=0.001)  # "about 74 ms"
     assert r.rho == pytest.approx(0.09, abs=0.005)  # "rho ~ 0.09"
-    assert r.per_rank_bytes / 1e6 == pytest.approx(99, abs=0.5)  # the cost model's reference: "the per-rank share (~99 MB)"
+    # the cost model's reference: "the per-rank share (~99 MB)"
+    assert r.per_rank_bytes / 1e6 == pytest.approx(99, abs=0.5)
     assert r.steady_state and r.hit_pays_off
 
 

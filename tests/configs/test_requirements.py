@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.configs.support import REPO
-
 HERE = Path(__file__).parent
 
 

@@ -224,7 +224,8 @@ class Cell:
 def make_cell(tmp_path: Path):
     cells: list[Cell] = []
 
-    def make(shutdown_timeout: float = 0.0, prefill_rate: float = 2_000.0, prefill_policy: str = PREFILL_POLICY) -> Cell:
+    def make(shutdown_timeout: float = 0.0, prefill_rate: float = 2_000.0,
+             prefill_policy: str = PREFILL_POLICY) -> Cell:
         prefills = [Engine(free_port(), tmp_path, f"prefill{i}", prefill_rate, shutdown_timeout) for i in range(2)]
         decode = Engine(free_port(), tmp_path, "decode", 2_000_000.0)
         cell = Cell(prefills, decode, free_port(), prefill_policy)
@@ -613,7 +614,8 @@ class ChartRouterPod:
         return self
 
     def _start(self, name: str, args: list[str]) -> None:
-        self.procs[name] = subprocess.Popen(args, cwd=REPO, env=self.env, stdout=open(self.tmp_path / f"{name}.out", "wb"),
+        self.procs[name] = subprocess.Popen(args, cwd=REPO, env=self.env,
+                                            stdout=open(self.tmp_path / f"{name}.out", "wb"),
                                             stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
@@ -725,7 +727,8 @@ def test_chart_router_pod_retries_a_killed_prefill_on_another_pod(tmp_path: Path
     # Slow prefills (about 0.15 s each, FIFO) so the victim holds a queue when it dies.
     engines = chart_cell_engines(tmp_path, engine_port, 800.0)
     api = KubeApiStub("vllm").start()
-    routers = ChartRouterPod(tmp_path, api, engine_port, f"router.vllmRouter.prefillRetry.enabled={str(prefill_retry).lower()}")
+    routers = ChartRouterPod(tmp_path, api, engine_port,
+                             f"router.vllmRouter.prefillRetry.enabled={str(prefill_retry).lower()}")
     assert ("prefill-retry" in routers.commands) is prefill_retry
     victim, survivor, decode = engines["prefill-0"], engines["prefill-1"], engines["decode-0"]
     load = Load(routers.url, clients=8, prompt_words=60)
@@ -751,7 +754,8 @@ def test_chart_router_pod_retries_a_killed_prefill_on_another_pod(tmp_path: Path
     failures = load.failures()
     events = victim.events(1)
     finished = {e["request_id"] for e in events if e["event"] == "finish" and e["prefill"]}
-    lost = [e["request_id"] for e in events if e["event"] == "arrive" and e["prefill"] and e["request_id"] not in finished]
+    lost = [e["request_id"] for e in events
+            if e["event"] == "arrive" and e["prefill"] and e["request_id"] not in finished]
     in_window = [o for o in load.outcomes if o.end >= kill and o.start <= kill + DETECTION_WINDOW_S]
     print(f"\nprefill SIGKILL ({'prefill-retry' if prefill_retry else 'P/D router alone'}): "
           f"{len(load.outcomes)} requests, {len(failures)} failed; {len(lost)} prefills died with the pod; "

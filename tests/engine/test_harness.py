@@ -45,7 +45,8 @@ def test_the_engine_imports_from_the_folders_the_test_does(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     (tmp_path / "build").mkdir()
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["build", "/opt/lmcache-variant", ""]))
-    entries = engine_env(EngineSpec(MODEL, {}, cpu_connector=False), tmp_path / "engine")["PYTHONPATH"].split(os.pathsep)
+    entries = engine_env(EngineSpec(MODEL, {}, cpu_connector=False),
+                         tmp_path / "engine")["PYTHONPATH"].split(os.pathsep)
     assert entries == [str(tmp_path / "build"), "/opt/lmcache-variant", str(tmp_path)]
     assert absolute_pythonpath("") == ""
 

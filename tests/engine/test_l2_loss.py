@@ -25,7 +25,6 @@ the unfilled buffers of the missing keys are handed to vLLM as KV.
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 
 import pytest

@@ -80,7 +80,8 @@ def test_lmcache_init_failure_stops_the_sharded_prefill_engine(starts):
     the harness (tests/support/engine.py, CORE_FAILED_EXIT_S): either way it never serves."""
     started, spec, valkey = starts["prefill-no-cpu-connector"]
     assert spec.lmcache_config["extra_config"]["pcp_shard_store"] is True and not spec.cpu_connector
-    with pytest.raises(EngineError, match=r"exited with \d+ while starting|engine core failed while starting") as raised:
+    with pytest.raises(EngineError,
+                       match=r"exited with \d+ while starting|engine core failed while starting") as raised:
         started.result(timeout=START_WAIT_S)
     log = raised.value.log_text
     assert "No supported cpu connector found" in log

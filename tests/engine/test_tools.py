@@ -67,7 +67,8 @@ def test_replay_and_valkey_stats(shared_prefill, tmp_path):
         # The write-up's TTFT gates are for the B300 cell, not a tiny model on 2 shared cores.
         done = _tool("replay", "run", str(tmp_path / "stream" / "stream.jsonl"), "--url", url, "--out", str(out),
                      "--gate-p90", "off", "--gate-p50", "off", "--gate-mean", "off")
-        assert done.returncode == 0, f"replay {name}: exit {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        assert done.returncode == 0, (f"replay {name}: exit {done.returncode}\n"
+                                      f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
         rows, summary = _rows(out / "records.csv"), json.loads((out / "summary.json").read_text())["summary"]
         assert [r["status"] for r in rows] == ["ok"] * len(stream), [(r["id"], r["status"], r["error"]) for r in rows]
         thirds = summary["ttft_thirds"]
@@ -182,7 +183,8 @@ def test_needle_phases_and_evidence(shared_prefill, tmp_path):
     for phase in ("l1", "l2"):
         row = rows[phase]
         assert row["served_from_cache"] == "yes", row
-        assert int(row["connector_hits"]) >= tokens - CHUNK and int(row["cached_tokens"]) == int(row["connector_hits"]), row
+        assert (int(row["connector_hits"]) >= tokens - CHUNK
+                and int(row["cached_tokens"]) == int(row["connector_hits"])), row
     for phase in ("cold", "cold-again"):
         row = rows[phase]
         assert int(row["cached_tokens"]) == 0 and int(row["connector_hits"] or 0) == 0, row

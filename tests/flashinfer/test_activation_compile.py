@@ -33,7 +33,8 @@ headers, which FlashInfer downloads at JIT time and which are not available here
 file reaches them through DevKernel.h (DtypeDecl.h and SfLayoutDecl.h, and what those
 include) and uses two enums from them; ``harness/include`` declares just those
 (values arbitrary: they appear only in host-side comparisons and as template arguments
-of the scale-layout conversion, never in the activation kernels' device code), and empty cuBLAS stand-ins replace headers the nvcc wheels lack (included,
+of the scale-layout conversion, never in the activation kernels' device code), and empty
+cuBLAS stand-ins replace headers the nvcc wheels lack (included,
 unused). Anything else the file used from them would fail to compile here. The SASS is
 not inspected beyond ptxas' summary (no cuobjdump in the toolchain).
 """

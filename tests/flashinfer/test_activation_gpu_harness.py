@@ -148,7 +148,8 @@ def test_gpu_harness_checks_on_cpu(routing, dtype, gated):
 
 
 def test_case_grid_covers_the_issue():
-    """Every token count, width, tile, walk, launch mode and routing kind the patch's correctness rests on is a checked case."""
+    """Every token count, width, tile, walk, launch mode and routing kind the patch's correctness
+    rests on is a checked case."""
     harness = _harness()
     checks = harness.check_grid()
     shapes = [c.shape for c in checks]

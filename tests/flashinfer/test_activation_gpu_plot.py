@@ -1,6 +1,7 @@
 """gpu/plot.py: the harness result as a PNG, and a clear error for what is not a result.
 
-The recorded run in gpu/results/ (an H200, sm_90a; earlier runs in results/earlier/) is the input: the plot must be written
+The recorded run in gpu/results/ (an H200, sm_90a; earlier runs in results/earlier/) is the
+input: the plot must be written
 from the very JSON run.py wrote there, and its numbers must be the ones the log beside it
 printed (so the record is one run, not an edited file). matplotlib comes with the test
 environment (scripts/requirements.txt), so these never skip.

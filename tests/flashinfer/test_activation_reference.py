@@ -94,7 +94,8 @@ def test_16bit_formats_match_torch(dtype, torch_dtype):
     _, decode, encode = ref.DTYPES[dtype]
     theirs = torch.from_numpy(x).to(torch_dtype).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(encode(x), theirs)
-    np.testing.assert_array_equal(decode(theirs), torch.from_numpy(theirs.view(np.int16)).view(torch_dtype).float().numpy())
+    np.testing.assert_array_equal(decode(theirs),
+                                  torch.from_numpy(theirs.view(np.int16)).view(torch_dtype).float().numpy())
 
 
 def test_ftz_flushes_subnormals_keeping_sign():

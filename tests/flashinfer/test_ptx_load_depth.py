@@ -23,7 +23,7 @@ def test_an_address_from_a_load_is_one_deeper():
     ptx = body("ld.param.u64 %rd1, [p];", "ld.global.u32 %r1, [%rd1];", "mul.wide.s32 %rd2, %r1, 16;",
                "add.s64 %rd3, %rd1, %rd2;", "ld.global.v4.u32 {%r2, %r3, %r4, %r5}, [%rd3];", "ret;")
     loads = pld.load_depths(ptx)
-    assert [(l.depth, l.is_data) for l in loads] == [(1, False), (2, True)]
+    assert [(load.depth, load.is_data) for load in loads] == [(1, False), (2, True)]
 
 
 def test_parallel_loads_add_no_depth():
@@ -37,7 +37,7 @@ def test_a_branch_on_a_loaded_value_guards_its_block():
     ptx = body("ld.global.u32 %r1, [%rd1];", "setp.ge.s32 %p1, %r2, %r1;", "@%p1 bra $L__EXIT;",
                "ld.global.u32 %r3, [%rd2];", "setp.eq.s32 %p2, %r3, -1;", "@%p2 bra $L__EXIT;",
                "ld.global.v4.u32 {%r4, %r5, %r6, %r7}, [%rd3];", "$L__EXIT:", "ret;")
-    assert [l.depth for l in pld.load_depths(ptx)] == [1, 2, 3]
+    assert [load.depth for load in pld.load_depths(ptx)] == [1, 2, 3]
 
 
 def test_a_block_after_the_join_is_not_guarded():

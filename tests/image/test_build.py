@@ -71,7 +71,8 @@ def test_sources_stage_builds_and_its_trees_are_the_tool_s(engine: engine_step.E
     assert result.returncode == 0, output[-4000:]
     assert "self-test (sources)" in output and " 0 fail" in output
     inside = __import__("json").loads(subprocess.run(
-        [engine.binary, "run", "--rm", "--entrypoint", "cat", "localhost/glm53-stage:sources", "/work/trees/manifest.json"],
+        [engine.binary, "run", "--rm", "--entrypoint", "cat", "localhost/glm53-stage:sources",
+         "/work/trees/manifest.json"],
         capture_output=True, text=True, check=True).stdout) if engine.can_run else None
     outside = distbuild("--work", str(work), "patched")
     assert outside.returncode == 0, outside.stderr

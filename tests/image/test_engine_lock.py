@@ -30,7 +30,8 @@ def test_build_command_per_engine() -> None:
     assert podman[:2] == ["podman", "build"] and "--format=docker" in podman and "--layers" in podman
     assert "--build-arg=BASE_IMAGE=abc" in podman and "--secret=id=build-ca,src=/ca.crt" in podman
     assert podman[-1] == "/r" and podman[podman.index("--target") + 1] == "sources"
-    assert engine.Engine("buildah", "buildah").build_cmd(Path("/r"), Path("/r/D"), "x", "t", {})[:2] == ["buildah", "bud"]
+    assert (engine.Engine("buildah", "buildah").build_cmd(Path("/r"), Path("/r/D"), "x", "t", {})[:2]
+            == ["buildah", "bud"])
     assert "--format=docker" not in engine.Engine("docker", "docker").build_cmd(Path("/r"), Path("/r/D"), "x", "t", {})
 
 
@@ -70,7 +71,8 @@ def test_lock_refuses_a_closure_that_disagrees_with_the_pins() -> None:
 
 
 def test_lock_rendering_leaves_out_the_patched_projects() -> None:
-    locked = [lock.Locked("lmcache", "0.5.5", "lmcache.whl", "a" * 64), lock.Locked("torch", "2.13.0", "t.whl", "b" * 64)]
+    locked = [lock.Locked("lmcache", "0.5.5", "lmcache.whl", "a" * 64),
+              lock.Locked("torch", "2.13.0", "t.whl", "b" * 64)]
     text = lock.render(locked, "title", ("lmcache",))
     assert "lmcache==" not in text and "left out (installed from our patched builds): lmcache" in text
     assert "torch==2.13.0 \\\n    --hash=sha256:" + "b" * 64 in text
@@ -113,14 +115,16 @@ def test_the_image_closure_carries_the_toolchains_compiler_and_no_other() -> Non
     for name in lock.JIT_TOOLCHAIN:
         assert locked[name] == (by_name[name].version, by_name[name].sha256), name
     assert locked["nvidia-cuda-nvcc"][0] == "13.0.88"
-    specs = lock.image_specs([*TOOLCHAIN, *[p for p in load_pins(REPO / "build" / "pins.toml") if p.role != "toolchain"]])
+    specs = lock.image_specs([*TOOLCHAIN,
+                              *[p for p in load_pins(REPO / "build" / "pins.toml") if p.role != "toolchain"]])
     assert "nvidia-cuda-nvcc==13.0.88" in specs and "nvidia-cuda-cccl==13.0.85" in specs
     assert not any(s.startswith("nvidia-cuda-runtime") for s in specs)   # torch's cuda-toolkit pins the runtime's
 
 
 def test_lock_refuses_a_second_cuda_compiler() -> None:
     nvcc = next(p for p in TOOLCHAIN if p.name == "nvidia-cuda-nvcc")
-    newer = lock.Locked("nvidia-cuda-nvcc", "13.5.37", "nvidia_cuda_nvcc-13.5.37-py3-none-manylinux2014_x86_64.whl", "d" * 64)
+    newer = lock.Locked("nvidia-cuda-nvcc", "13.5.37", "nvidia_cuda_nvcc-13.5.37-py3-none-manylinux2014_x86_64.whl",
+                        "d" * 64)
     with pytest.raises(DistBuildError, match=f"nvidia-cuda-nvcc: pins.toml pins {nvcc.filename} sha256 {nvcc.sha256}, "
                                              "the index resolved nvidia_cuda_nvcc-13.5.37"):
         lock.check_against_pins([newer], [nvcc])

@@ -43,7 +43,8 @@ def test_role_preset_uses_the_shipped_config_and_env(role: str) -> None:
 
 def test_prefill_preset_env_points_lmcache_at_the_shipped_file() -> None:
     env = plan(["prefill", "m"]).env
-    assert env["LMCACHE_CONFIG_FILE"] == "/etc/glm53/prefill/lmcache.yaml"   # the Dockerfile copies configs/prefill there
+    # the Dockerfile copies configs/prefill there
+    assert env["LMCACHE_CONFIG_FILE"] == "/etc/glm53/prefill/lmcache.yaml"
     assert "COPY configs/ /etc/glm53/" in (REPO / "Dockerfile").read_text()
     assert env["PYTHONHASHSEED"] == "0"
 
@@ -73,7 +74,8 @@ def test_unknown_role_and_bad_env_lines(tmp_path: Path) -> None:
 def test_tools_self_test_and_documents() -> None:
     assert plan(["self-test", "--json"]).argv[1:] == ["-m", "imagectl.selftest", "--json"]
     assert plan(["replay", "run", "x"]).argv == [str(HOME / "scripts" / "replay"), "run", "x"]
-    assert plan(["pd-proxy", "--port", "8000"]).argv[1:] == [str(HOME / "pd-proxy" / "toy_proxy_server.py"), "--port", "8000"]
+    assert plan(["pd-proxy", "--port", "8000"]).argv[1:] == [str(HOME / "pd-proxy" / "toy_proxy_server.py"),
+                                                             "--port", "8000"]
     assert plan(["pd-router", "--port", "8000"]).argv[1:] == ["-m", "vllm_router.launch_router", "--port", "8000"]
     assert plan(["sbom"]).argv == ["cat", str(HOME / "sbom.cdx.json")]
     assert plan([]).text and "prefill|decode|aggregated" in (plan([]).text or "")
@@ -84,5 +86,6 @@ def test_tools_self_test_and_documents() -> None:
 def test_entrypoint_script_runs_and_prints_usage() -> None:
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "entrypoint"), "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "entrypoint"), "--help"],
+                         capture_output=True, text=True)
     assert out.returncode == 0 and "role preset" in out.stdout

@@ -82,7 +82,8 @@ def make_store(root: Path, store_url: str = "https://store.invalid/artifactory/"
         f'    TRTLLM_GEN_BMM: str = (\n        "{sha(manifests[BMM + "checksums.txt"])}"\n    )\n'
         f'    DEEPGEMM: str = "{"0" * 64}"\n')
     (tree / "flashinfer" / "jit" / "cubin_loader.py").write_text(
-        f'import os\nFLASHINFER_CUBINS_REPOSITORY = os.environ.get(\n    "FLASHINFER_CUBINS_REPOSITORY",\n    "{store_url}",\n)\n')
+        'import os\nFLASHINFER_CUBINS_REPOSITORY = os.environ.get(\n    "FLASHINFER_CUBINS_REPOSITORY",\n'
+        f'    "{store_url}",\n)\n')
     return Store(folder, tree, files, manifests)
 
 
@@ -236,10 +237,12 @@ def test_stage_for_the_image_and_release(store: Store, tmp_path: Path) -> None:
     (context / "README.md").write_text("kept\n")
     (context / "stale.cubin").write_text("from an older set\n")
     layout = Layout(repo=repo, work=work)
-    with pytest.raises(DistBuildError, match=r"RELEASE=1: no complete FlashInfer artifact set .*make flashinfer-artifacts"):
+    with pytest.raises(DistBuildError,
+                       match=r"RELEASE=1: no complete FlashInfer artifact set .*make flashinfer-artifacts"):
         image._stage_flashinfer_artifacts(layout, image.Options(release=True), log=lambda _: None)
     assert sorted(p.name for p in context.iterdir()) == ["README.md"]
-    fa.fetch_set(fa.read_pins(store.tree), fa.Mirror(str(store.folder)), layout.cache / fa.CACHE_SUBDIR, log=lambda _: None)
+    fa.fetch_set(fa.read_pins(store.tree), fa.Mirror(str(store.folder)), layout.cache / fa.CACHE_SUBDIR,
+                 log=lambda _: None)
     assert image._stage_flashinfer_artifacts(layout, image.Options(release=True), log=lambda _: None).complete
     for name, data in store.files.items():
         assert (context / name).read_bytes() == data

@@ -38,7 +38,8 @@ def _fake_dist(site: Path, name: str, source: str) -> Path:
     info = site / f"{name}-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-    (info / "RECORD").write_text(f"{name}/__init__.py,,\n{name}-1.0.dist-info/METADATA,,\n{name}-1.0.dist-info/RECORD,,\n")
+    (info / "RECORD").write_text(f"{name}/__init__.py,,\n{name}-1.0.dist-info/METADATA,,\n"
+                                 f"{name}-1.0.dist-info/RECORD,,\n")
     return pkg / "__pycache__" / f"__init__.cpython-{sys.version_info[0]}{sys.version_info[1]}.pyc"
 
 

@@ -30,18 +30,24 @@ RECORDED = """\
 (EngineCore_DP1 pid=211) INFO 05-06 12:00:21 [gpu_model_runner.py:5256] Starting to load model /models/GLM-5.3-FP8...
 (EngineCore_DP0 pid=210) INFO 05-06 12:07:10 [default_loader.py:485] Loading weights took 405.12 seconds
 (EngineCore_DP1 pid=211) INFO 05-06 12:07:14 [default_loader.py:485] Loading weights took 409.80 seconds
-(EngineCore_DP0 pid=210) INFO 05-06 12:07:15 [gpu_model_runner.py:5355] Model loading took 93.5 GiB memory and 414.903 seconds
+(EngineCore_DP0 pid=210) INFO 05-06 12:07:15 [gpu_model_runner.py:5355] Model loading took 93.5 GiB memory \
+and 414.903 seconds
 (EngineCore_DP0 pid=210) INFO 05-06 12:07:40 [backends.py:1152] Dynamo bytecode transform time: 21.40 s
-(EngineCore_DP0 pid=210) INFO 05-06 12:08:30 [backends.py:392] Compiling a graph for compile range (1, 8192) takes 48.10 s
-2026-05-06 12:08:41,102 - INFO - core.py:564 - flashinfer.jit: Building JIT module fused_moe_trtllm_sm100; this can take several minutes on first use.
+(EngineCore_DP0 pid=210) INFO 05-06 12:08:30 [backends.py:392] Compiling a graph for compile range (1, 8192) \
+takes 48.10 s
+2026-05-06 12:08:41,102 - INFO - core.py:564 - flashinfer.jit: Building JIT module fused_moe_trtllm_sm100; \
+this can take several minutes on first use.
 2026-05-06 12:08:41,300 - INFO - cubin_loader.py:231 - flashinfer.jit: Fetching include/flashinferMetaInfo.h from https://store.invalid/artifactory/1d145b82/
 (EngineCore_DP0 pid=210) INFO 05-06 12:10:02 [monitor.py:53] torch.compile took 161.90 s in total
 (EngineCore_DP1 pid=211) INFO 05-06 12:10:06 [monitor.py:53] torch.compile took 165.00 s in total
-(EngineCore_DP0 pid=210) INFO 05-06 12:10:30 [gpu_model_runner.py:6808] Rank 0: Torch profiler disabled for CUDA graph capture
+(EngineCore_DP0 pid=210) INFO 05-06 12:10:30 [gpu_model_runner.py:6808] Rank 0: Torch profiler disabled \
+for CUDA graph capture
 Capturing CUDA graphs (mixed prefill-decode, PIECEWISE):   0%|          | 0/67 [00:00<?, ?it/s]\r\
 Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%|##########| 67/67 [00:30<00:00,  2.2it/s]
-(EngineCore_DP0 pid=210) INFO 05-06 12:11:08 [gpu_model_runner.py:6855] Graph capturing finished in 38 secs, took 1.10 GiB
-(EngineCore_DP0 pid=210) INFO 05-06 12:11:10 [core.py:381] init engine (profile, create kv cache, warmup model) took 242.10 s
+(EngineCore_DP0 pid=210) INFO 05-06 12:11:08 [gpu_model_runner.py:6855] Graph capturing finished in 38 secs, \
+took 1.10 GiB
+(EngineCore_DP0 pid=210) INFO 05-06 12:11:10 [core.py:381] init engine (profile, create kv cache, warmup model) \
+took 242.10 s
 (APIServer pid=7) INFO 05-06 12:11:20 [entry.py:136] Starting vLLM server on http://0.0.0.0:8200
 (APIServer pid=7) INFO:     Application startup complete.
 """
@@ -111,7 +117,8 @@ import os, signal, sys, time
 here = os.path.dirname(os.path.abspath(__file__))
 print("argv", *sys.argv[1:], flush=True)
 if {wait_for_signal!r}:
-    signal.signal(signal.SIGTERM, lambda *_: (print("stand-in vllm: SIGTERM", file=sys.stderr, flush=True), sys.exit(7)))
+    signal.signal(signal.SIGTERM, lambda *_: (print("stand-in vllm: SIGTERM", file=sys.stderr, flush=True), \
+sys.exit(7)))
     print("(EngineCore_DP0 pid=1) INFO 05-06 12:00:20 [gpu_model_runner.py:5256] Starting to load model m...",
           file=sys.stderr, flush=True)
     time.sleep(60)

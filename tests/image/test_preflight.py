@@ -121,7 +121,8 @@ def test_tmp_and_home_must_take_a_file_under_a_read_only_root(tmp_path: Path) ->
             "c = preflight.check_scratch({'TMPDIR': '/tmp', 'HOME': sys.argv[2]}); print(json.dumps(c.__dict__))")
     verdicts = {}
     for name, given in (("read-only", str(REPO)), ("writable", str(home))):
-        argv = read_only_root.command(sys.executable, [str(home)], [sys.executable, "-c", code, str(REPO / "scripts"), given])
+        argv = read_only_root.command(sys.executable, [str(home)],
+                                      [sys.executable, "-c", code, str(REPO / "scripts"), given])
         done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         verdicts[name] = json.loads(done.stdout)
@@ -368,7 +369,8 @@ def test_gpu_checks_on_nvidia_smi_output() -> None:
     assert "2 x NVIDIA B300 SXM6 AC (10.3)" in preflight.check_gpu(B300).detail
     h200 = B300.replace("NVIDIA B300 SXM6 AC, 10.3", "NVIDIA H200, 9.0")
     check = preflight.check_gpu(h200)
-    assert check.status == "FAIL" and "NVIDIA H200 (compute capability 9.0): this image's kernels are sm_103a" in check.detail
+    assert (check.status == "FAIL"
+            and "NVIDIA H200 (compute capability 9.0): this image's kernels are sm_103a" in check.detail)
     old = B300.replace("CUDA Version: 13.0", "CUDA Version: 12.8").replace("580.95.05", "570.86.15")
     assert "driver 570.86.15 supports CUDA 12.8" in preflight.check_gpu(old).detail
     none = preflight.check_gpu(None)
@@ -434,7 +436,8 @@ def test_run_checks_and_render_in_seconds(tmp_path: Path, tmpfs) -> None:
                                   store_probe=_no_probe)
     by = {c.name: c.status for c in checks}
     memlock = preflight.check_memlock(preflight.preset_nixl_backends(CONFIGS / "prefill" / "vllm.yaml")).status
-    assert by == {"shm": "FAIL", "cache": "PASS", "tmp and home": "PASS", "jit toolchain": "PASS", "nixl backends": "PASS",
+    assert by == {"shm": "FAIL", "cache": "PASS", "tmp and home": "PASS", "jit toolchain": "PASS",
+                  "nixl backends": "PASS",
                   "efa devices": "PASS", "memlock": memlock, "flashinfer artifacts": "FAIL", "gpu": "WARN",
                   "model": "PASS"}
     text = preflight.render(checks, 1.2)

@@ -97,7 +97,8 @@ def test_release_problems_name_the_pinned_manifests_or_the_pins_that_differ(tmp_
     assert fa.release_problems(fa.set_status(cache), pins) == []
     (cache / FMHA / "fmhaSm100fKernel_QE4m3.cubin").unlink()
     assert fa.release_problems(fa.set_status(cache), pins) == [f"{FMHA}fmhaSm100fKernel_QE4m3.cubin"]
-    bumped = fa.Pins(pins.store, (fa.Artifact("TRTLLM_GEN_BMM", "fedcba98/batched_gemm-next/", "e" * 64), pins.artifacts[1]))
+    bumped = fa.Pins(pins.store, (fa.Artifact("TRTLLM_GEN_BMM", "fedcba98/batched_gemm-next/", "e" * 64),
+                                  pins.artifacts[1]))
     (cache / FMHA / "fmhaSm100fKernel_QE4m3.cubin").write_bytes(store.files[FMHA + "fmhaSm100fKernel_QE4m3.cubin"])
     problem, = fa.release_problems(fa.set_status(cache), bumped)
     assert problem.startswith(f"TRTLLM_GEN_BMM: the set holds {BMM}checksums.txt sha256 ")
@@ -147,7 +148,8 @@ def test_synthetic_mirror_to_the_images_tree_found_by_the_preflight(tmp_path: Pa
     # A wrong hash on the mirror is refused, naming the file, and leaves no set behind.
     good = store.files[BMM + "Bmm_E4m3_sm103a.cubin"]
     store.corrupt(BMM + "Bmm_E4m3_sm103a.cubin")
-    with pytest.raises(DistBuildError, match=rf"{BMM}Bmm_E4m3_sm103a.cubin from .*: sha256 mismatch: expected {sha(good)}"):
+    with pytest.raises(DistBuildError,
+                       match=rf"{BMM}Bmm_E4m3_sm103a.cubin from .*: sha256 mismatch: expected {sha(good)}"):
         fa.fetch_set(pins, fa.Mirror(str(store.folder)), cache, log=lambda _: None)
     assert not fa.set_status(cache).complete
     (store.folder / BMM / "Bmm_E4m3_sm103a.cubin").write_bytes(good)
@@ -160,7 +162,8 @@ def test_synthetic_mirror_to_the_images_tree_found_by_the_preflight(tmp_path: Pa
     for name in ("FLASHINFER_CUBIN_DIR", "FLASHINFER_NO_DOWNLOAD"):   # build() sets both for its compiles
         monkeypatch.setenv(name, "")
     out = tmp_path / "out"
-    assert flashinfer_aot.build(store.tree, layout.repo / "build" / fa.CACHE_SUBDIR, out, out / "flashinfer-aot.json") == 0
+    assert flashinfer_aot.build(store.tree, layout.repo / "build" / fa.CACHE_SUBDIR, out,
+                                out / "flashinfer-aot.json") == 0
     status = json.loads((out / "flashinfer-aot.json").read_text())
     assert status["status"] == "built" and status["cubin_dir"] == flashinfer_aot.IMAGE_CUBIN_DIR
     assert labels.build_args({"upstreams": {}}, status["status"])["IMAGE_KIND"] == labels.RELEASE
@@ -174,7 +177,8 @@ def test_synthetic_mirror_to_the_images_tree_found_by_the_preflight(tmp_path: Pa
         assert check.status == "PASS", check.detail
     assert check.detail == (f"2 artifact(s) (TRTLLM_GEN_BMM, TRTLLM_GEN_FMHA), {len(store.files)} file(s) in "
                             f"{root / IMAGE_CUBINS}, VLLM_HAS_FLASHINFER_CUBIN=1")
-    assert flashinfer_aot.check_cubin_dir(root / IMAGE_CUBINS, deep=True, pinned=flashinfer_aot.pinned_artifacts(status)) == []
+    assert flashinfer_aot.check_cubin_dir(root / IMAGE_CUBINS, deep=True,
+                                          pinned=flashinfer_aot.pinned_artifacts(status)) == []
     kind = selftest.check_artifact_set({**status, "cubin_dir": str(root / IMAGE_CUBINS)}, env)
     assert kind.status == "PASS" and kind.detail.startswith("release: 2 artifact(s)")
 
@@ -182,7 +186,8 @@ def test_synthetic_mirror_to_the_images_tree_found_by_the_preflight(tmp_path: Pa
     (root / IMAGE_CUBINS / BMM / "include/flashinferMetaInfo.h").unlink()
     lost = preflight.check_flashinfer_artifacts("decode", env, aot=status)
     assert lost.status == "FAIL" and f"{BMM}include/flashinferMetaInfo.h: missing" in lost.detail
-    other = dict(status, artifacts={"TRTLLM_GEN_BMM": {"path": "fedcba98/batched_gemm-next/", "manifest_sha256": "e" * 64}})
+    other = dict(status,
+                 artifacts={"TRTLLM_GEN_BMM": {"path": "fedcba98/batched_gemm-next/", "manifest_sha256": "e" * 64}})
     shutil.rmtree(root / IMAGE_CUBINS)
     shutil.copytree(out / "cubins", root / IMAGE_CUBINS)
     refused = preflight.check_flashinfer_artifacts("prefill", env, aot=other)

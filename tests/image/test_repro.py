@@ -69,7 +69,7 @@ def test_compare_reports_equal_stages_and_names_the_layer_that_differs(tmp_path:
     result = repro.compare(one, two)
     assert result["same"] is False and result["stages"]["s:base"]["same"] is True
     layers = result["stages"]["s:x"]["layers"]
-    assert [(l["layer"], l["build1"], l["build2"]) for l in layers] == [(2, "d2", "d3")]
+    assert [(layer["layer"], layer["build1"], layer["build2"]) for layer in layers] == [(2, "d2", "d3")]
     assert layers[0]["files"] == ["f: content (sha256/target) differs"]
     text = repro.format_result(result)
     assert "DIFFERS  s:x" in text and "FAIL" in text.splitlines()[-1]
@@ -85,9 +85,11 @@ def test_the_content_digest_leaves_out_only_the_build_containers_ids() -> None:
     other = json.loads(json.dumps(inspect))
     other["History"][0]["comment"] = "FROM d13a546bad7c"   # another build's intermediate image
     assert repro.content_digest(repro.canonical_config(inspect)) == repro.content_digest(repro.canonical_config(other))
-    for key, value in (("Created", "2026-12-02T00:00:00Z"), ("Config", {"Env": ["A=2"]}), ("RootFS", {"Layers": ["x"]})):
+    for key, value in (("Created", "2026-12-02T00:00:00Z"), ("Config", {"Env": ["A=2"]}),
+                       ("RootFS", {"Layers": ["x"]})):
         changed = dict(inspect, **{key: value})
-        assert repro.content_digest(repro.canonical_config(changed)) != repro.content_digest(repro.canonical_config(inspect))
+        assert (repro.content_digest(repro.canonical_config(changed))
+                != repro.content_digest(repro.canonical_config(inspect)))
     named = json.loads(json.dumps(inspect))
     named["History"][1]["comment"] = "FROM localhost/other:tag"   # a named base is content
     assert repro.content_digest(repro.canonical_config(named)) != repro.content_digest(repro.canonical_config(inspect))
@@ -117,7 +119,8 @@ def test_the_layer_table_reads_compressed_and_uncompressed_sizes_from_an_oci_lay
     layer = _blob(layout, gzip.compress(raw.getvalue(), mtime=0))
     config = _blob(layout, json.dumps({"rootfs": {"diff_ids": ["sha256:x"]}, "history": [
         {"created_by": "/bin/sh -c #(nop) ENV A=1", "empty_layer": True},
-        {"created_by": "|2 A=1 B=2 /bin/sh -c --mount=type=cache,target=/root/.cache/pip pip install -r nvidia.txt"}]}).encode())
+        {"created_by": "|2 A=1 B=2 /bin/sh -c --mount=type=cache,target=/root/.cache/pip "
+         "pip install -r nvidia.txt"}]}).encode())
     manifest = _blob(layout, json.dumps({"config": config, "layers": [
         {**layer, "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip"}]}).encode())
     (layout / "index.json").write_text(json.dumps({"manifests": [manifest]}))
@@ -140,7 +143,8 @@ def test_podman_and_buildah_builds_get_the_timestamp_and_docker_builds_do_not() 
 def test_the_epoch_is_the_commit_time_of_the_last_change_to_the_build_inputs(tmp_path: Path) -> None:
     repo = tmp_path / "r"
     repo.mkdir()
-    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t",
+               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
     env.pop("SOURCE_DATE_EPOCH", None)
 
     def commit(path: str, when: int) -> None:

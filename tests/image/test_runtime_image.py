@@ -64,7 +64,8 @@ MEMLOCK = (("--ulimit=memlock=-1:-1",) if resource.getrlimit(resource.RLIMIT_MEM
 
 
 def run_image(image: tuple[str, str], *argv: str, out: Path | None = None, timeout: int = 600,
-              stdin: str | None = None, network: str = "host", extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+              stdin: str | None = None, network: str = "host",
+              extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     engine, ref = image
     mounts = []
     if out is not None:
@@ -149,7 +150,8 @@ def test_replay_in_the_image_against_a_streaming_server(image, tmp_path):
     stream = out / "stream.jsonl"
     with stream.open("w") as handle:
         for i in range(6):
-            handle.write(json.dumps({"id": f"r{i}", "offset_s": 0.3 * i, "prompt": "@plan ttft=0.2 chunks=3 gap=0.05\nhi",
+            handle.write(json.dumps({"id": f"r{i}", "offset_s": 0.3 * i,
+                                     "prompt": "@plan ttft=0.2 chunks=3 gap=0.05\nhi",
                                      "max_tokens": 3}) + "\n")
     engine = FakeEngine().start()
     try:
@@ -189,7 +191,8 @@ def test_the_images_chart_renders_as_the_repos(image, tmp_path):
     done = run_image(image, "bash", "-c", "cp -r /etc/glm53/. /out/", out=out, network="none")
     assert done.returncode == 0, done.stderr
     assert (out / "deploy" / "chart" / "files" / "prefill").is_symlink()  # the chart's links kept
-    sets = ["--set", f"image=glm53-b300-serving@sha256:{'0' * 64}", "--set", f"valkeySpec.image=valkey/valkey@sha256:{'1' * 64}"]
+    sets = ["--set", f"image=glm53-b300-serving@sha256:{'0' * 64}",
+            "--set", f"valkeySpec.image=valkey/valkey@sha256:{'1' * 64}"]
     render = REPO / "configs" / "deploy" / "render.py"
     got = subprocess.run([sys.executable, str(render), "--configs", str(out), *sets], capture_output=True, text=True)
     assert got.returncode == 0, got.stderr
@@ -203,7 +206,8 @@ def test_vllm_sees_flashinfer_and_the_one_cuda_13_0_compiler(image):
     code = ("import json, os, subprocess, glob;"
             "from vllm.utils.flashinfer import has_flashinfer, has_flashinfer_trtllm_fused_moe;"
             "from flashinfer.jit.cpp_ext import get_cuda_path;"
-            "print(json.dumps({'fi': has_flashinfer(), 'moe': has_flashinfer_trtllm_fused_moe(), 'cuda': get_cuda_path(),"
+            "print(json.dumps({'fi': has_flashinfer(), 'moe': has_flashinfer_trtllm_fused_moe(), "
+            "'cuda': get_cuda_path(),"
             "'nvcc': subprocess.run(['nvcc', '--version'], capture_output=True, text=True).stdout,"
             "'nvccs': sorted(glob.glob('/opt/venv/lib/python3*/site-packages/**/bin/nvcc', recursive=True))}))")
     done = run_image(image, "python3", "-c", code, network="none")
@@ -303,7 +307,8 @@ def test_preflight_refuses_dockers_default_shm_before_vllm_starts(image, tmp_pat
     done = run_image(image, "prefill", "/models/GLM-5.3-FP8", network="none",
                      extra=("--shm-size=64m", _model(tmp_path)), timeout=300)
     assert done.returncode == 1
-    assert "preflight: FAIL  shm" in done.stderr and "/dev/shm is 64 MiB; the prefill role needs at least 16.0 GiB" in done.stderr
+    assert ("preflight: FAIL  shm" in done.stderr
+            and "/dev/shm is 64 MiB; the prefill role needs at least 16.0 GiB" in done.stderr)
     assert "fix: run the container with --ipc=host, or --shm-size=64g" in done.stderr
     assert "prefill not started" in done.stderr and "exec vllm" not in done.stderr
 

@@ -132,7 +132,8 @@ def test_libraries_bundled_in_a_wheel_are_components_its_package_depends_on(tmp_
     assert comps[0]["hashes"][0]["content"] == hashlib.sha256(b"\x7fELF ucx").hexdigest()
     assert deps == {"pkg:pypi/demo@1.0": ["file:demo.libs/libucp-5e0b2a5c.so.0.0.0"]}
     doc = sbom.document(comps, {"type": "container", "name": "x"}, deps)
-    assert doc["dependencies"] == [{"ref": "pkg:pypi/demo@1.0", "dependsOn": ["file:demo.libs/libucp-5e0b2a5c.so.0.0.0"]}]
+    assert doc["dependencies"] == [{"ref": "pkg:pypi/demo@1.0",
+                                    "dependsOn": ["file:demo.libs/libucp-5e0b2a5c.so.0.0.0"]}]
     assert sbom.count_kinds(doc) == {"pypi": 0, "deb": 0, "bundled": 1, "source": 0}
 
 
@@ -141,7 +142,8 @@ def test_the_whole_image_sbom_of_this_machine_has_all_three_kinds() -> None:
     if not status.is_file():
         import pytest
         pytest.skip("not a dpkg system")
-    doc = sbom.image_document({}, status.read_text(), sbom.debian_lock_entries((REPO / "build" / "lock" / "debian.txt").read_text()),
+    doc = sbom.image_document({}, status.read_text(),
+                              sbom.debian_lock_entries((REPO / "build" / "lock" / "debian.txt").read_text()),
                               {"type": "container", "name": "x"})
     kinds = sbom.count_kinds(doc)
     assert kinds["pypi"] > 10 and kinds["deb"] > 50
@@ -158,7 +160,8 @@ def test_the_source_built_libfabric_is_a_component_with_its_pinned_source(tmp_pa
     (entry,) = sbom.SOURCE_BUILT
     assert f"ARG LIBFABRIC_VERSION={entry['version']}" in dockerfile
     assert f"ARG LIBFABRIC_ORIG_SHA256={entry['source_sha256']}" in dockerfile
-    assert re.search(r"COPY --from=libfabric /out/ /opt/libfabric/", dockerfile) and entry["path"].startswith("/opt/libfabric/lib/")
+    assert (re.search(r"COPY --from=libfabric /out/ /opt/libfabric/", dockerfile)
+            and entry["path"].startswith("/opt/libfabric/lib/"))
     built = tmp_path / "libfabric.so.1"
     built.write_bytes(b"\x7fELF built")
     (comp,) = sbom.source_built_components(({**entry, "path": str(built)},))

@@ -53,7 +53,8 @@ def install(site: Path, repo: Path, ref: str, data_prefix: str = "") -> None:
             continue
         dest = site / (data_prefix if path.startswith("csrc/") else "") / path
         dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(subprocess.run(["git", "-C", str(repo), "show", f"{ref}:{path}"], capture_output=True, check=True).stdout)
+        dest.write_bytes(subprocess.run(["git", "-C", str(repo), "show", f"{ref}:{path}"],
+                                        capture_output=True, check=True).stdout)
 
 
 def test_blob_id_is_gits(tree: Path) -> None:
@@ -157,7 +158,8 @@ def test_ldd_of_plugins_names_a_missing_library(tmp_path: Path) -> None:
     assert selftest.check_ldd([p for p in found if "LIBFABRIC" not in p.name]).status == "FAIL"
     assert selftest.check_ldd([]).status == "FAIL"
     ucx_dep = _cc(tmp_path, "libucp.so.0", "int ucp(void) { return 0; }\n", "-Wl,-soname,libucp.so.0")
-    ucx = _cc(plugins, "libplugin_UCX.so", "int ucp(void); int u(void) { return ucp(); }\n", f"-L{tmp_path}", "-l:libucp.so.0")
+    ucx = _cc(plugins, "libplugin_UCX.so", "int ucp(void); int u(void) { return ucp(); }\n",
+              f"-L{tmp_path}", "-l:libucp.so.0")
     ucx_dep.unlink()
     bad = selftest.check_ldd(selftest.nixl_plugins(tmp_path))
     assert bad.status == "FAIL" and bad.detail == "unresolved: LIBFABRIC: libfabric.so.1; UCX: libucp.so.0"
@@ -236,7 +238,8 @@ def test_aot_status(tmp_path: Path) -> None:
                "consequence": "JIT at first use with network access"}
     so.unlink()
     check = selftest.check_aot(missing, site, resolves_to_ours)
-    assert check.status == "WARN" and "MISSING" in check.detail and "unreachable" in check.detail and "JIT" in check.detail
+    assert (check.status == "WARN" and "MISSING" in check.detail and "unreachable" in check.detail
+            and "JIT" in check.detail)
     assert selftest.exit_code([check], strict=True) == 1
 
 
@@ -503,16 +506,19 @@ def test_nixl_probe_without_nixl_reports_the_failure(tmp_path: Path) -> None:
     assert "nixl._api is missing" in results["UCX"] or "No module named" in results["UCX"], results
 
 
-FI_OK = {"has_flashinfer": True, "has_flashinfer_trtllm_fused_moe": True, "cuda_path": "/opt/cuda", "nvcc_release": "13.0"}
+FI_OK = {"has_flashinfer": True, "has_flashinfer_trtllm_fused_moe": True,
+         "cuda_path": "/opt/cuda", "nvcc_release": "13.0"}
 
 
 def test_flashinfer_in_vllm_verdicts() -> None:
     assert selftest.check_flashinfer_in_vllm(FI_OK).status == "PASS"
-    off = selftest.check_flashinfer_in_vllm({**FI_OK, "has_flashinfer": False, "has_flashinfer_trtllm_fused_moe": False})
+    off = selftest.check_flashinfer_in_vllm({**FI_OK, "has_flashinfer": False,
+                                             "has_flashinfer_trtllm_fused_moe": False})
     assert off.status == "FAIL"   # not a warning: the presets' pinned MoE backend would refuse to start
     assert off.detail.startswith("vLLM's has_flashinfer() is False; vLLM's has_flashinfer_trtllm_fused_moe() is False")
     wrong = selftest.check_flashinfer_in_vllm({**FI_OK, "cuda_path": "/usr/local/cuda", "nvcc_release": "13.5"})
-    assert wrong.status == "FAIL" and "get_cuda_path() is /usr/local/cuda, whose nvcc is 13.5, want 13.0" in wrong.detail
+    assert (wrong.status == "FAIL"
+            and "get_cuda_path() is /usr/local/cuda, whose nvcc is 13.5, want 13.0" in wrong.detail)
     raised = selftest.check_flashinfer_in_vllm({**FI_OK, "cuda_path_error": "RuntimeError: Could not find nvcc"})
     assert raised.status == "FAIL" and "get_cuda_path(): RuntimeError: Could not find nvcc" in raised.detail
 

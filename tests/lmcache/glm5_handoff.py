@@ -65,7 +65,8 @@ METADATA_FIELDS = (
 
 def kernel_groups(manager: Any) -> list[list[Any]]:
     """[format, layers, row width] of each of V3's kernel groups, sorted."""
-    return sorted([str(g.engine_kv_format).split(".")[-1], g.num_layers, g.shape_desc.hs] for g in manager.kernel_groups)
+    return sorted([str(g.engine_kv_format).split(".")[-1], g.num_layers, g.shape_desc.hs]
+                  for g in manager.kernel_groups)
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -572,7 +572,9 @@ def _wait_for_remote_puts(engine: Any, cases: list[dict[str, int]], timeout_s: f
     keys = [
         key
         for index, case in enumerate(cases)
-        for start, end, key in engine.token_database.process_tokens(torch.arange(case["num_tokens"]) + 1000 * (index + 1))
+        for start, end, key in engine.token_database.process_tokens(
+            torch.arange(case["num_tokens"]) + 1000 * (index + 1)
+        )
         if end - start == CHUNK_SIZE or engine.config.save_unfull_chunk
     ]
     deadline = time.monotonic() + timeout_s
@@ -682,7 +684,9 @@ def sharded_round_trip(
     original = {name: t.clone() for name, t in kv.kv_caches.items()}
     engine.store(tokens, kvcaches=kvcaches, slot_mapping=store_slots)
     result: dict[str, Any] = {"owned_chunks": len(engine.storage_manager.local_cpu_backend.hot_cache)}
-    result["owned_chunk_bytes"] = sorted({int(o.get_size()) for o in engine.storage_manager.local_cpu_backend.hot_cache.values()})
+    result["owned_chunk_bytes"] = sorted(
+        {int(o.get_size()) for o in engine.storage_manager.local_cpu_backend.hot_cache.values()}
+    )
     # The sharded load's staging buffer for a one-chunk request: one chunk.
     result["staging_buffer_bytes"] = int(engine._pcp_shard_staging_buffer(1).numel())
     dist.barrier()

@@ -361,7 +361,9 @@ def l1_intact(ctx: RankContext, tokens: list[int], seed: int) -> bool:
         if obj.get_ref_count() < 1:
             return False
         end = start + CHUNK_SIZE
-        if not torch.equal(obj.tensor.reshape(ctx.kv.kv[:, :, start:end, :].shape), reference_kv(ctx, seed, len(tokens), start, end)):
+        if not torch.equal(
+            obj.tensor.reshape(ctx.kv.kv[:, :, start:end, :].shape), reference_kv(ctx, seed, len(tokens), start, end)
+        ):
             return False
     return True
 
@@ -432,7 +434,8 @@ def async_lookup_server_rank(rank: int, world_size: int, workdir: str, engine_id
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=60)
     )
     ranks = list(range(world_size))
     cpu_group = dist.new_group(ranks, backend="gloo")

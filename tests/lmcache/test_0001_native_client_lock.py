@@ -262,7 +262,8 @@ def _check_sync_call(client: ConnectorClientBase, op: str) -> None:
     assert check(box["result"]), f"{op} returned {box['result']!r}"
 
 
-@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: \w+ still blocked after \d+ s: its completion was drained before its future was registered")
+@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: \w+ still blocked after \d+ s: "
+                   r"its completion was drained before its future was registered")
 @pytest.mark.parametrize("op", list(SYNC_OPS))
 def test_fake_completion_drained_before_future_registered(make_fake_client, op):
     """The event loop drains the completion before the submitting thread can
@@ -441,7 +442,8 @@ class JoinRecordingNative:
         self.workers_joined.set()
 
 
-@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: the in-flight GET's future was failed before the native workers were joined")
+@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: the in-flight GET's future was failed "
+                   r"before the native workers were joined")
 def test_real_close_joins_workers_before_failing_in_flight_get(valkey, loop):
     """close() while a sync GET is inside its C++ worker (the server is
     paused): the GET's future may fail, and its caller free the buffer, only

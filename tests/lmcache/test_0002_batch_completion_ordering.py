@@ -64,7 +64,8 @@ def _tsan_compiler(tmp_path: Path) -> str:
     return cxx
 
 
-@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: ThreadSanitizer reports a data race in the batch completion path")
+@pytest.mark.fixes(PATCH,
+                   fails_with=r"AssertionError: ThreadSanitizer reports a data race in the batch completion path")
 def test_batch_completion_publishes_every_tile_to_the_drainer(tmp_path):
     cxx = _tsan_compiler(tmp_path)
     tree = _tree_under_test()

@@ -87,7 +87,8 @@ def servers():
         server.stop()
 
 
-@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: GET with Valkey down since the client started did not complete within")
+@pytest.mark.fixes(PATCH,
+                   fails_with=r"AssertionError: GET with Valkey down since the client started did not complete within")
 def test_client_started_with_valkey_down_serves_misses_then_reconnects(tmp_path, clients, servers):
     port = free_loopback_port()
     client = NativeClient("127.0.0.1", port, num_workers=2)
@@ -106,7 +107,8 @@ def test_client_started_with_valkey_down_serves_misses_then_reconnects(tmp_path,
     print(f"{n} GETs while down, slowest {slowest:.3f} s; round trip {took:.2f} s after Valkey came up")
 
 
-@pytest.mark.fixes(PATCH, fails_with=r"AssertionError: no SET\+GET round trip within [\d.]+ s after Valkey was restarted")
+@pytest.mark.fixes(PATCH,
+                   fails_with=r"AssertionError: no SET\+GET round trip within [\d.]+ s after Valkey was restarted")
 def test_client_reconnects_after_valkey_is_killed_and_restarted(tmp_path, clients, servers):
     server = start_valkey(tmp_path)
     servers.append(server)

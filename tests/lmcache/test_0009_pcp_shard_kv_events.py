@@ -57,7 +57,8 @@ def kv_events_rank(rank: int, world_size: int, workdir: str) -> list[list[tuple]
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=60)
     )
     ranks = list(range(world_size))
     group = dist.new_group(ranks, backend="gloo")
@@ -104,7 +105,8 @@ def reported(world_size: int, tmp_path) -> list[list[list[tuple]]]:
     first test that needs it, so a failing run fails that test's call."""
     if world_size not in _runs:
         try:
-            _runs[world_size] = ["ok", run_processes(world_size, kv_events_rank, tmp_path / f"w{world_size}", timeout_s=120 + 30 * world_size)]
+            _runs[world_size] = ["ok", run_processes(world_size, kv_events_rank, tmp_path / f"w{world_size}",
+                                                     timeout_s=120 + 30 * world_size)]
         except AssertionError as e:
             _runs[world_size] = ["error", e]
     status, value = _runs[world_size]
@@ -132,7 +134,9 @@ def published_by_vllm(per_rank: list[list[tuple]]) -> list[tuple]:
         worker = SimpleNamespace(_lmcache_engine=SimpleNamespace(get_kv_events=lambda e=lmcache_events: e))
         wrapped = LMCacheConnectorV1.get_kv_connector_kv_cache_events(worker)
         outputs.append(
-            ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(kv_cache_events=wrapped))
+            ModelRunnerOutput(
+                req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(kv_cache_events=wrapped)
+            )
         )
     combined = KVOutputAggregator(expected_finished_count=len(per_rank)).aggregate(outputs)
     scheduler = SimpleNamespace(_kv_cache_events=None)

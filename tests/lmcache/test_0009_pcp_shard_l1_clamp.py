@@ -78,7 +78,9 @@ def l1_sizes(world_size: int, monkeypatch) -> list[int]:
     from lmcache.v1.storage_backend import local_cpu_backend
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-    monkeypatch.setattr(local_cpu_backend.SystemMemoryDetector, "get_available_memory_gb", staticmethod(lambda: AVAILABLE_GB))
+    monkeypatch.setattr(
+        local_cpu_backend.SystemMemoryDetector, "get_available_memory_gb", staticmethod(lambda: AVAILABLE_GB)
+    )
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK_SIZE,
         local_cpu=True,

@@ -107,7 +107,9 @@ def lookup_from_ranks_rank(rank: int, world_size: int, workdir: str, url: str, v
 
     def built(pcp_rank: int):
         collectives = PCPCollectives(pcp_rank, 4, None, None, None, torch.device("cpu"))
-        engine, _, _ = build_engine(pcp_rank, 4, collectives, instance_id=f"lookup-{pcp_rank}", remote_url=url, l1_gb=0.01)
+        engine, _, _ = build_engine(
+            pcp_rank, 4, collectives, instance_id=f"lookup-{pcp_rank}", remote_url=url, l1_gb=0.01
+        )
         S.storage_of(engine)
         return engine
 
@@ -132,7 +134,9 @@ def lookup_from_ranks_rank(rank: int, world_size: int, workdir: str, url: str, v
 
 @pytest.mark.fixes(STORE, fails_with=r"has no storage manager: MLA stores on rank 0 only|keys list is empty")
 def test_a_rank_that_owns_no_chunk_answers_without_asking_valkey(valkey, tmp_path):
-    result = run_processes(1, lookup_from_ranks_rank, tmp_path, timeout_s=120, url=valkey.url, valkey_port=valkey.port)[0]
+    result = run_processes(
+        1, lookup_from_ranks_rank, tmp_path, timeout_s=120, url=valkey.url, valkey_port=valkey.port
+    )[0]
     answer, exists, warnings = result["idle"]
     assert answer == 2 * CHUNK_SIZE  # nothing of its own is missing
     assert exists == 0, f"rank 3 sent {exists} EXISTS calls for a prompt it owns no chunk of"
@@ -153,11 +157,15 @@ def start_lookup_group(engines, world_size: int, engine_id: str):
     ranks, servers = [], []
     for rank in range(world_size):
         engine, kv, _ = engines(rank, world_size, l1_gb=0.01)
-        server = LookupClientFactory.create_lookup_server(engine, dataclasses.replace(engine.metadata, engine_id=engine_id))
+        server = LookupClientFactory.create_lookup_server(
+            engine, dataclasses.replace(engine.metadata, engine_id=engine_id)
+        )
         assert server is not None, f"rank {rank} runs no lookup server"
         ranks.append((engine, kv))
         servers.append(server)
-    scheduler = dataclasses.replace(mla_metadata(MODEL, world_size, 0, pcp_world_size=world_size), role="scheduler", engine_id=engine_id)
+    scheduler = dataclasses.replace(
+        mla_metadata(MODEL, world_size, 0, pcp_world_size=world_size), role="scheduler", engine_id=engine_id
+    )
     client = LookupClientFactory.create_lookup_client(ranks[0][0].config, scheduler)
     return ranks, servers, client
 
@@ -182,7 +190,9 @@ def test_expected_per_rank_answers_log_at_debug_and_unexplained_ones_warn(engine
         assert client.lookup(tokens, lookup_id="partial") == 5 * CHUNK_SIZE
         logged = warnings_of(lmcache_log)
         assert logged == [], f"an expected per-rank partial hit logged a warning: {logged}"
-        debug = [r.getMessage() for r in lmcache_log.records if r.levelno == logging.DEBUG and "per rank" in r.getMessage()]
+        debug = [
+            r.getMessage() for r in lmcache_log.records if r.levelno == logging.DEBUG and "per rank" in r.getMessage()
+        ]
         assert debug, "the per-rank answers are not logged at DEBUG"
 
         # rank 2 fails its lookup (unhealthy: a deliberate fake, a health

@@ -50,7 +50,8 @@ def gpu_rank(rank: int, world_size: int, workdir: str, rounds: int, connector_cl
 
     torch.cuda.set_device(0)
     dist.init_process_group(
-        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=120)
     )
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
@@ -74,7 +75,8 @@ def gpu_rank(rank: int, world_size: int, workdir: str, rounds: int, connector_cl
         },
     )
     metadata = mla_metadata(
-        MODEL, world_size, rank, pcp_world_size=world_size, num_layers=NUM_LAYERS, head_size=HEAD_SIZE, chunk_size=CHUNK_SIZE
+        MODEL, world_size, rank, pcp_world_size=world_size, num_layers=NUM_LAYERS, head_size=HEAD_SIZE,
+        chunk_size=CHUNK_SIZE
     )
     num_tokens = NUM_CHUNKS * CHUNK_SIZE
     num_blocks = num_tokens // BLOCK_SIZE + 4
@@ -129,4 +131,6 @@ def test_sharded_load_through_the_cuda_connector_is_byte_exact(tmp_path, connect
     results = run_processes(2, gpu_rank, tmp_path, timeout_s=540, rounds=rounds, connector_class=connector_class)
     assert [r["loaded"] for r in results] == [[NUM_CHUNKS * CHUNK_SIZE] * rounds] * 2, results
     for rank, result in enumerate(results):
-        assert not result["mismatched"], f"rank {rank}: paged KV differs from the stored KV in (round, layer) {result['mismatched'][:10]}"
+        assert not result["mismatched"], (
+            f"rank {rank}: paged KV differs from the stored KV in (round, layer) {result['mismatched'][:10]}"
+        )

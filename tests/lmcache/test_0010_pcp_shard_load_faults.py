@@ -46,7 +46,8 @@ def assert_same_outcome(results: list[dict], prefix: int) -> None:
     assert all(r["kv_below_prefix_ok"] for r in results), "KV below the prefix differs from the stored KV"
 
 
-@pytest.mark.fixes(SYNC, fails_with=r"OutOfMemoryError: injected|did not finish within|ranks ended at different prefixes")
+@pytest.mark.fixes(SYNC, fails_with=r"OutOfMemoryError: injected|did not finish within|"
+                   r"ranks ended at different prefixes")
 def test_device_allocation_failure_on_one_rank_loads_nothing_and_never_hangs(tmp_path):
     results = run_fault(tmp_path, 3, seed=60, num_chunks=7, fault=("device_alloc_fails",), fault_rank=1)
     assert_same_outcome(results, 0)
@@ -69,7 +70,8 @@ def test_paged_kv_write_failure_on_one_rank_ends_every_rank_at_the_same_prefix(t
     assert sum(op == "broadcast" for op, _, _ in results[0]["collectives"]) == 7
 
 
-@pytest.mark.fixes(SYNC, fails_with=r"ValueError: injected: chunk metadata|did not finish within|ranks ended at different prefixes")
+@pytest.mark.fixes(SYNC, fails_with=r"ValueError: injected: chunk metadata|did not finish within|"
+                   r"ranks ended at different prefixes")
 def test_metadata_parse_failure_on_one_rank_loads_nothing_and_never_hangs(tmp_path):
     results = run_fault(tmp_path, 2, seed=62, num_chunks=5, fault=("metadata_parse_fails",), fault_rank=1)
     assert_same_outcome(results, 0)

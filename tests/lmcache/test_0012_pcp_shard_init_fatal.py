@@ -105,7 +105,9 @@ def test_a_guard_failure_stops_lmcache_manager_init_instead_of_degrading():
     factory.metadata = mla_metadata("guards", 4, 0, pcp_world_size=4)
     factory.metadata.role = "scheduler"
     try:
-        with pytest.raises(ValueError, match="pcp_shard_store: unsupported configuration.*enable_scheduler_bypass_lookup"):
+        with pytest.raises(
+            ValueError, match="pcp_shard_store: unsupported configuration.*enable_scheduler_bypass_lookup"
+        ):
             LMCacheManager(config, factory)
     finally:
         from lmcache.integration.vllm.utils import ENGINE_NAME

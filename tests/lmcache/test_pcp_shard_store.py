@@ -113,7 +113,9 @@ def test_faults_on_one_rank_never_hang_and_every_rank_agrees(tmp_path):
         {"seed": 23, "num_chunks": n, "drop": {1: [5 * CHUNK_SIZE]}},
         {"seed": 24, "num_chunks": n},
     ]
-    results = run_ranks(world_size, S.store_then_load, tmp_path, timeout_s=200, cases=cases, engine_options={"l1_gb": L1_GB})
+    results = run_ranks(
+        world_size, S.store_then_load, tmp_path, timeout_s=200, cases=cases, engine_options={"l1_gb": L1_GB}
+    )
     # an exception or an unhealthy engine on one rank: that rank loads
     # nothing, so no rank loads anything (and nobody hangs)
     assert_consistent(results, 0, 0)
@@ -167,7 +169,9 @@ def test_async_loading_minimum_equals_the_sync_prefix(tmp_path):
     expected = [n * CHUNK_SIZE, 1 * CHUNK_SIZE, 0, 6 * CHUNK_SIZE, 2 * CHUNK_SIZE]
     for case, prefix in enumerate(expected):
         scheduled = [rr[case]["scheduled"] for rr in results]
-        assert scheduled == [prefix] * world_size, f"case {case}: scheduled {scheduled}, expected {prefix} on every rank"
+        assert scheduled == [prefix] * world_size, (
+            f"case {case}: scheduled {scheduled}, expected {prefix} on every rank"
+        )
         assert_consistent(results, case, prefix)
         # nothing this request touched was released twice: L1 still serves
         assert all(rr[case]["l1_intact"] for rr in results), f"case {case}: L1 damaged"
@@ -185,7 +189,8 @@ def test_a_prompt_stored_by_one_pod_is_found_by_another_through_valkey_per_rank(
         urls = [server.url for server in servers]
         n = 7
         stored = run_ranks(
-            world_size, S.store_to_l2, tmp_path / "pod-a", engine_options={"remote_urls": urls, "l1_gb": L1_GB}, seed=50, num_chunks=n
+            world_size, S.store_to_l2, tmp_path / "pod-a", engine_options={"remote_urls": urls, "l1_gb": L1_GB},
+            seed=50, num_chunks=n
         )
         assert all(stored)
         # each instance holds exactly its rank's chunks
@@ -193,7 +198,8 @@ def test_a_prompt_stored_by_one_pod_is_found_by_another_through_valkey_per_rank(
             with server.client() as client:
                 assert client.dbsize() == len(range(rank, n, world_size)), f"valkey {rank}"
         loaded = run_ranks(
-            world_size, S.load_from_l2, tmp_path / "pod-b", engine_options={"remote_urls": urls, "l1_gb": L1_GB}, seed=50, num_chunks=n
+            world_size, S.load_from_l2, tmp_path / "pod-b", engine_options={"remote_urls": urls, "l1_gb": L1_GB},
+            seed=50, num_chunks=n
         )
         assert [r["from_l1"] for r in loaded] == [[]] * world_size
         assert_consistent([[r] for r in loaded], 0, n * CHUNK_SIZE)

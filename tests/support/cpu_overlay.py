@@ -11,13 +11,19 @@ vllm.yaml:
 
 | key | preset | CPU | why |
 | --- | --- | --- | --- |
-| prefill-context-parallel-size | 8 | 1 | PCP runs only on the V2 model runner, which needs Triton; triton-cpu is not on the package index |
-| tensor-parallel-size | 8 (aggregated) | 1 | 8 ranks on 2 cores do not start in the budget; TP over gloo runs in the TP=2 scenario |
-| kv-cache-dtype | fp8 | auto | vLLM's CPU MLA backend supports only the model dtype (CPUMLABackend.supported_kv_cache_dtypes) |
-| moe-backend | flashinfer_trtllm | dropped | FlashInfer's TRTLLM-gen MoE is a Blackwell kernel; the tiny model is dense (no MoE layer to back) |
-| attention-backend | FLASHINFER_MLA_SPARSE | CPU_MLA | GLM-5's sparse MLA has no CPU backend; CPU_MLA is vLLM's dense MLA on CPU (still pinned: a missing backend fails, no fallback) |
+| prefill-context-parallel-size | 8 | 1 | PCP runs only on the V2 model runner, which needs Triton; \
+triton-cpu is not on the package index |
+| tensor-parallel-size | 8 (aggregated) | 1 | 8 ranks on 2 cores do not start in the budget; \
+TP over gloo runs in the TP=2 scenario |
+| kv-cache-dtype | fp8 | auto | vLLM's CPU MLA backend supports only the model dtype \
+(CPUMLABackend.supported_kv_cache_dtypes) |
+| moe-backend | flashinfer_trtllm | dropped | FlashInfer's TRTLLM-gen MoE is a Blackwell kernel; \
+the tiny model is dense (no MoE layer to back) |
+| attention-backend | FLASHINFER_MLA_SPARSE | CPU_MLA | GLM-5's sparse MLA has no CPU backend; \
+CPU_MLA is vLLM's dense MLA on CPU (still pinned: a missing backend fails, no fallback) |
 | kv-transfer-config NixlConnector kv_buffer_device | cuda | cpu | no GPU memory; NIXL registers the CPU KV cache |
-| kv-transfer-config NixlConnector backends | [LIBFABRIC] | [UCX] | no EFA here; UCX is bundled in nixl-cu13 and runs over loopback |
+| kv-transfer-config NixlConnector backends | [LIBFABRIC] | [UCX] | no EFA here; \
+UCX is bundled in nixl-cu13 and runs over loopback |
 | profiler-config | cuda | dropped | the CUDA profiler hook needs CUDA |
 
 lmcache.yaml: ``max_local_cpu_size`` 768 GiB -> 0.5 GiB (this machine has 24

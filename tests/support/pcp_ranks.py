@@ -49,7 +49,7 @@ class RankContext:
     rank: int
     world_size: int
     engine: Any
-    kv: "CpuPagedKV"
+    kv: Any  # make_kv_connector's CpuPagedKV: a class built inside that function, so not importable here
     responses: "ResponseRecorder"
     collectives: Any
     workdir: Path
@@ -215,8 +215,6 @@ def build_engine(
     chunk_size: int = CHUNK_SIZE,
     streams: Any = None,
 ):
-    import torch
-
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
     extra_config: dict = {"pcp_shard_store": shard, "save_chunk_meta": False}
@@ -438,8 +436,6 @@ def run_processes(
 
     Raises AssertionError naming the ranks that raised or did not finish in
     ``timeout_s`` (a hang in a collective)."""
-    import torch.multiprocessing as mp
-
     workdir.mkdir(parents=True, exist_ok=True)
     ctx = _context()
     procs = [

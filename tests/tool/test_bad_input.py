@@ -95,7 +95,8 @@ def test_conflicting_patch_stops_and_leaves_the_last_good_tree(demo, capsys):
     demo.series(GOOD)
     assert demo.run("patched") == 0
     good_head = Repo(demo.work / "src" / "demo").head()
-    bad = ("0002-bad.patch", patch_text("[Bugfix] bad", "demo/core.py", "    return 999", "    return 1", ["def f9():"], 28))
+    bad = ("0002-bad.patch",
+           patch_text("[Bugfix] bad", "demo/core.py", "    return 999", "    return 1", ["def f9():"], 28))
     demo.series(GOOD, bad)
     capsys.readouterr()
     assert demo.run("patched") == 2
@@ -171,7 +172,8 @@ def test_a_bug_field_that_is_not_a_url_fails_lint(demo, capsys):
     text = GOOD[1].replace("Forwarded: not-yet\n", "Forwarded: not-yet\nBug: the GET hangs (write-up #5551)\n")
     demo.series(("0001-ok.patch", text))
     assert demo.run("lint") == 1
-    assert "0001-ok.patch: DEP-3 Bug: must be the URL of an upstream report, not 'the GET hangs (write-up #5551)'" in capsys.readouterr().err
+    assert ("0001-ok.patch: DEP-3 Bug: must be the URL of an upstream report, not 'the GET hangs (write-up #5551)'"
+            in capsys.readouterr().err)
     url = GOOD[1].replace("Forwarded: not-yet\n", "Forwarded: not-yet\nBug: https://github.com/LMCache/LMCache/issues/5293\n")
     demo.series(("0001-ok.patch", url))
     assert demo.run("lint") == 0
@@ -201,7 +203,8 @@ def test_a_patch_that_changes_a_generated_file_fails_lint(demo, capsys, patch, w
 
 
 def test_a_do_not_edit_comment_below_the_top_is_not_a_generated_file(demo):
-    deep = patch_text("[Docs] warn", "demo/core.py", "    return 30", "    return 30  # do not edit", ["def f30():"], 91)
+    deep = patch_text("[Docs] warn", "demo/core.py", "    return 30", "    return 30  # do not edit",
+                      ["def f30():"], 91)
     demo.series(("0001-deep.patch", deep))
     assert demo.run("lint") == 0
 

@@ -34,7 +34,8 @@ def _wheel(index: Path, files: Path, name: str, version: str, requires: list[str
     with zipfile.ZipFile(path, "w") as wheel:
         wheel.writestr(f"{name}/__init__.py", "")
         wheel.writestr(f"{dist_info}/METADATA", "\n".join(meta) + "\n")
-        wheel.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{dist_info}/WHEEL",
+                       "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         wheel.writestr(f"{dist_info}/RECORD", "")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     page = index / name / "index.html"
@@ -51,7 +52,8 @@ def index(tmp_path: Path) -> str:
     simple.mkdir()
     files.mkdir()
     _wheel(simple, files, "app", "1.0", ["plain>=1", f"needy>=2; {ONLY_ON_3111}",
-                                         'never; python_version < "3.0"', f'extraonly; extra == "x" and {ONLY_ON_3111}'])
+                                         'never; python_version < "3.0"',
+                                         f'extraonly; extra == "x" and {ONLY_ON_3111}'])
     _wheel(simple, files, "plain", "1.5", [])
     _wheel(simple, files, "needy", "1.0", [])
     _wheel(simple, files, "needy", "2.1", [f"chained; {ONLY_ON_3111}"])

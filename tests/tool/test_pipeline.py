@@ -10,8 +10,10 @@ from distbuild.series import series_entries
 
 from .conftest import BASE_FILES, patch_text
 
-P1 = ("0001-return-fifty.patch", patch_text("[Bugfix] f5 returns fifty", "demo/core.py", "    return 5", "    return 50", ["def f5():"], 16))
-P2 = ("0002-return-ninety.patch", patch_text("[Feature] f30 returns ninety", "demo/core.py", "    return 30", "    return 90", ["def f30():"], 91))
+P1 = ("0001-return-fifty.patch",
+      patch_text("[Bugfix] f5 returns fifty", "demo/core.py", "    return 5", "    return 50", ["def f5():"], 16))
+P2 = ("0002-return-ninety.patch",
+      patch_text("[Feature] f30 returns ninety", "demo/core.py", "    return 30", "    return 90", ["def f30():"], 91))
 
 
 def trees(out: str) -> list[str]:
@@ -86,7 +88,8 @@ def test_developer_commit_exports_as_a_new_patch_that_reapplies(demo, tmp_path):
     core = tree / "demo" / "core.py"
     core.write_text(core.read_text().replace("    return 7\n", "    return 77\n"))
     repo = Repo(tree)
-    repo.git("commit", "-qam", "[Bugfix] f7 returns seventy-seven\n\nForwarded: not-yet\nSigned-off-by: Dev <dev@localhost>")
+    repo.git("commit", "-qam",
+             "[Bugfix] f7 returns seventy-seven\n\nForwarded: not-yet\nSigned-off-by: Dev <dev@localhost>")
     dev_tree = repo.tree()
     assert demo.run("export", "demo") == 0
     assert series_entries(directory / "series") == [P1[0], "0002-Bugfix-f7-returns-seventy-seven.patch"]
@@ -96,7 +99,8 @@ def test_developer_commit_exports_as_a_new_patch_that_reapplies(demo, tmp_path):
 
 
 def test_health_reports_applies_contained_conflicts(demo, capsys):
-    conflicting = ("0003-touch-f12.patch", patch_text("f12 change", "demo/core.py", "    return 12", "    return 120", ["def f12():"], 37))
+    conflicting = ("0003-touch-f12.patch",
+                   patch_text("f12 change", "demo/core.py", "    return 12", "    return 120", ["def f12():"], 37))
     demo.series(P1, P2, conflicting)
     files = dict(BASE_FILES)
     core = files["demo/core.py"]
@@ -186,5 +190,6 @@ def test_export_refuses_a_malformed_identity_and_writes_nothing(demo, capsys):
     assert demo.run("patched") == 0
     before = {p.name: p.read_bytes() for p in directory.iterdir()}
     assert demo.run("export", "demo", "--identity", "no-email-here") != 0
-    assert "--identity: 'no-email-here' is not an identity; write it as 'Full Name <name@host>'" in capsys.readouterr().err
+    assert ("--identity: 'no-email-here' is not an identity; write it as 'Full Name <name@host>'"
+            in capsys.readouterr().err)
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before

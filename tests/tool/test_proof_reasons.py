@@ -108,7 +108,8 @@ def test_pins(engine):
     assert False, "2 pins left"
 """)
     result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["*did not get to run its test: setup failed with RuntimeError: address already in use*"])
+    result.stdout.fnmatch_lines(["*did not get to run its test: setup failed with RuntimeError: "
+                                 "address already in use*"])
 
 
 def test_on_pristine_a_proof_failing_in_setup_still_counts_as_failing(pytester, monkeypatch):

@@ -49,15 +49,40 @@ def test_without_a_baseline_the_report_says_what_writes_one(tmp_path, capsys):
     assert "an idle `make test` writes it" in capsys.readouterr().out
 
 
+def _busy_loops_of_this_process() -> list[Path]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:  # a process may exit between the listing and the read
+            if ((proc / "cmdline").read_bytes().endswith(b"while True: pass\0")
+                    and int((proc / "stat").read_text().split()[3]) == os.getpid()):
+                found.append(proc)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+def _cpu_ticks(proc: Path) -> int:
+    return int((proc / "stat").read_text().split()[13])
+
+
+def _wait_for(condition, what: str, bound_s: float = 60.0):
+    """Poll ``condition`` until it is truthy. The bound is on a hang, not on speed: on a loaded
+    host the child can take seconds to exec and to be scheduled."""
+    deadline = time.monotonic() + bound_s
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"{what} within {bound_s:.0f} s"
+        time.sleep(0.05)
+    return result
+
+
 def test_the_busy_loops_run_for_the_block_and_are_gone_after_it():
     with stress.busy_loops(1):
-        loops = [p for p in Path("/proc").iterdir() if p.name.isdigit()
-                 and (p / "cmdline").read_bytes().endswith(b"while True: pass\0")
-                 and int((p / "stat").read_text().split()[3]) == os.getpid()]
-        assert len(loops) == 1
-        pid = int(loops[0].name)
-        time.sleep(0.5)
-        assert int((loops[0] / "stat").read_text().split()[13]) > 0, "the loop used no CPU time"
+        # Until the child execs, /proc shows it with this process's command line.
+        [loop] = _wait_for(_busy_loops_of_this_process, "the busy loop started")
+        pid = int(loop.name)
+        _wait_for(lambda: _cpu_ticks(loop) > 0, "the busy loop used CPU time")
     assert not Path(f"/proc/{pid}").exists() or (Path(f"/proc/{pid}") / "stat").read_text().split()[2] == "Z"
 
 

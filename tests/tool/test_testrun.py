@@ -63,7 +63,8 @@ def test_no_engine_leaves_out_the_engine_scenarios_even_where_a_path_names_them(
     repo = Path(__file__).resolve().parents[2]
     for given in (["tests/tool", "tests/engine"], [f"{ENGINE_TESTS}/test_harness.py", "tests/tool/test_testrun.py"]):
         paths, args = without_engine(given, ["-q"])
-        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", *args, *paths],
+        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only",
+                               *args, *paths],
                               capture_output=True, text=True, cwd=repo, timeout=120)
         collected = [line for line in done.stdout.splitlines() if "::" in line]
         assert collected and all(line.startswith("tests/tool/") for line in collected), done.stdout[-2000:]

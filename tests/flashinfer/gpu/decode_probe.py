@@ -66,7 +66,8 @@ def ncu_summary(csv_path: Path, order_path: Path) -> list[dict]:
         lines = [line for line in f if line.startswith('"')]  # ncu's own messages are not CSV
     for row in csv.DictReader(lines):
         if row.get("Metric Name") == "gpu__time_duration.sum":
-            scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[row["Metric Unit"]]
+            scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0,
+                     "msecond": 1e3, "ms": 1e3}[row["Metric Unit"]]
             durations.append((int(row["ID"]), float(row["Metric Value"].replace(",", "")) * scale))
     durations = [us for _, us in sorted(durations)]
     if len(durations) != 3 * len(order):
@@ -80,7 +81,8 @@ def ncu_summary(csv_path: Path, order_path: Path) -> list[dict]:
     print("ncu gpu__time_duration (median of 3; caches flushed, clocks at base):", flush=True)
     for label, us in by_shape.items():
         ratios = " ".join(f"{n} {us['pristine'] / v:.2f}" for n, v in us.items() if n != "pristine")
-        print(f"  {label:<28} " + " ".join(f"{n} {v:7.2f} us" for n, v in us.items()) + f"   ratios {ratios}", flush=True)
+        print(f"  {label:<28} " + " ".join(f"{n} {v:7.2f} us" for n, v in us.items()) + f"   ratios {ratios}",
+              flush=True)
     return rows
 
 

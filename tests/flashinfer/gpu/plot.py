@@ -2,7 +2,8 @@
 """Plot a GPU harness result (run.py --json FILE) as a PNG.
 
 Left: microseconds per call of the pristine and the patched activation kernel per shape
-(log scale, ratio on top of each pair; shapes named by kind: decode, prefill, tp8, tile, slots). Right: the patched kernel's bandwidth for the bytes
+(log scale, ratio on top of each pair; shapes named by kind: decode, prefill, tp8, tile,
+slots). Right: the patched kernel's bandwidth for the bytes
 it must move, as a share of the measured device-to-device copy bandwidth, with the issue's
 50% goal drawn in.
 

@@ -596,8 +596,8 @@ def run_timings(libs, timings: list[Timing], iters: int, flush, copy_bw: float, 
     for i, timing in enumerate(timings):
         case = Case(torch_, timing.shape, seed=seed_base + i)
         rows_walk = timing.walk == "rows"
-        t_pri = time_us(lambda: libs["pristine"].run(case, pdl=timing.pdl), iters, flush)
-        t_pat = time_us(lambda: libs["patched"].run(case, mn_limit=rows_walk, pdl=timing.pdl), iters, flush)
+        t_pri = time_us(lambda c=case: libs["pristine"].run(c, pdl=timing.pdl), iters, flush)
+        t_pat = time_us(lambda c=case: libs["patched"].run(c, mn_limit=rows_walk, pdl=timing.pdl), iters, flush)
         bw = case.bytes_moved() / (t_pat * 1e-6)
         out.append({"label": timing.label, "kind": timing.kind, "tokens": timing.shape.num_tokens,
                     "width": timing.shape.width, "routing": timing.shape.routing, "tile": case.tile,

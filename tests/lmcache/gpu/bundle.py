@@ -125,7 +125,8 @@ def check_manifest(bundle: Path, manifest: dict, hashes: bool = True) -> list[st
                 continue
             wheel = parse_wheel_name(Path(rel).name)
             if normalize(wheel.name) != key or wheel.version != dist["version"]:
-                problems.append(f"{rel}: is {wheel.name} {wheel.version}, listed under {dist['name']} {dist['version']}")
+                problems.append(f"{rel}: is {wheel.name} {wheel.version}, "
+                                f"listed under {dist['name']} {dist['version']}")
             kind = wheel_kind(wheel)
             if kind != dist["kind"]:
                 problems.append(f"{rel}: a {kind} wheel, but {dist['name']} is declared {dist['kind']}")

@@ -45,7 +45,8 @@ DISTS: tuple[Dist, ...] = (
     # Native, the machine lacks them: carried per Python.
     Dist("msgspec", ("msgspec",), "bundle", "native", "lmcache/v1/multiprocess/custom_types.py (platform discovery)"),
     Dist("pyzmq", ("zmq",), "bundle", "native", "lmcache/v1/cache_controller/executor.py (local_cpu_backend)"),
-    Dist("cryptography", ("cryptography",), "bundle", "native", "lmcache/v1/distributed/serde/aesgcm.py (l2_adapters config)"),
+    Dist("cryptography", ("cryptography",), "bundle", "native",
+         "lmcache/v1/distributed/serde/aesgcm.py (l2_adapters config)"),
     Dist("cffi", ("_cffi_backend",), "bundle", "native", "cryptography"),
     Dist("caio", ("caio",), "bundle", "native", "aiofile"),
     # Pure, the machine lacks them.

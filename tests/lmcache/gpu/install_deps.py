@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", required=True, help="the interpreter (venv) to install into")
     parser.add_argument("--report", type=Path, help="write the plan and the import results here (JSON)")
     parser.add_argument("--target", type=Path,
-                        help="install into this folder (put on PYTHONPATH by the caller) instead of the interpreter's site")
+                        help="install into this folder (put on PYTHONPATH by the caller) "
+                        "instead of the interpreter's site")
     args = parser.parse_args(argv)
     try:
         manifest = b.load_manifest(args.bundle)

@@ -81,10 +81,12 @@ def archive_source(tree: Path, out: Path) -> dict:
         raise b.BundleError(f"{tree}: not a git checkout (make patched prepares work/src/lmcache)")
     dirty = run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"]).strip()
     if dirty:
-        raise b.BundleError(f"{tree}: uncommitted changes ({dirty.splitlines()[0]} ...): only HEAD travels; commit them")
+        raise b.BundleError(f"{tree}: uncommitted changes ({dirty.splitlines()[0]} ...): "
+                            "only HEAD travels; commit them")
     head = run(["git", "-C", str(tree), "rev-parse", "HEAD"]).strip()
     run(["git", "-C", str(tree), "archive", "--format=tar.gz", "-o", str(out), "HEAD", "--", *b.SOURCE_PATHS])
-    return {"tree": str(tree), "head": head, "tree_hash": run(["git", "-C", str(tree), "rev-parse", "HEAD^{tree}"]).strip(),
+    return {"tree": str(tree), "head": head,
+            "tree_hash": run(["git", "-C", str(tree), "rev-parse", "HEAD^{tree}"]).strip(),
             "subject": run(["git", "-C", str(tree), "log", "-1", "--format=%s"]).strip(), "paths": list(b.SOURCE_PATHS)}
 
 
@@ -247,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     total, tracked = manifest["total_bytes"], manifest["repo_tracked_bytes"]
     wheels = [rel for rel in manifest["files"] if rel.startswith(b.WHEELS + "/")]
     print(f"{args.dest}: {len(manifest['files'])} files, {total / 2**20:.1f} MiB "
-          f"({manifest['files'][b.SOURCE_ARCHIVE]['bytes'] / 2**20:.1f} MiB source at {manifest['lmcache']['head'][:12]}, "
+          f"({manifest['files'][b.SOURCE_ARCHIVE]['bytes'] / 2**20:.1f} MiB source "
+          f"at {manifest['lmcache']['head'][:12]}, "
           f"{len(wheels)} wheels); with the repository's tracked files ({tracked / 2**20:.1f} MiB): "
           f"{(total + tracked) / 2**20:.1f} MiB of the {b.CARRY_LIMIT / 2**20:.0f} MiB carry limit")
     return 0

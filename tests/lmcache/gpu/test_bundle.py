@@ -70,7 +70,8 @@ GOOD = [dist("cachetools", "8.0.2", "pure", [PURE]), dist("msgspec", "0.23.0", "
 def test_a_bundle_made_here_passes_its_check(tmp_path):
     staging, manifest = fake_bundle(tmp_path, GOOD)
     assert b.check_manifest(staging, manifest) == []
-    assert manifest["total_bytes"] == sum(p.stat().st_size for p in staging.rglob("*") if p.is_file() and p.name != b.MANIFEST)
+    assert manifest["total_bytes"] == sum(p.stat().st_size
+                                          for p in staging.rglob("*") if p.is_file() and p.name != b.MANIFEST)
 
 
 def test_a_native_wheel_under_a_pure_declaration_is_refused(tmp_path):
@@ -100,7 +101,8 @@ def test_wheels_without_a_dist_and_dists_without_wheels_are_named(tmp_path):
     staging, manifest = fake_bundle(tmp_path, [dist("cachetools", "8.0.2", "pure", [PURE])])
     manifest["dists"][0]["wheels"] = []
     problems = b.check_manifest(staging, manifest)
-    assert problems == ["cachetools: provider bundle but no wheel carried", f"{b.WHEELS}/{PURE}: a wheel no dist claims"]
+    assert problems == ["cachetools: provider bundle but no wheel carried",
+                        f"{b.WHEELS}/{PURE}: a wheel no dist claims"]
 
 
 def env(python: str, tags: list[str], found: dict, too_old: dict | None = None) -> dict:
@@ -156,7 +158,8 @@ def test_the_made_bundle():
             covered = {py for rel in d["wheels"] for tag in b.parse_wheel_name(Path(rel).name).tags
                        for py in pythons if tag.startswith(f"cp{py}-") or (tag.split("-")[1] == "abi3"
                                                                            and int(tag.split("-")[0][2:]) <= int(py))}
-            assert covered == pythons, f"{d['name']}: native wheels for {sorted(covered)}, bundle made for {sorted(pythons)}"
+            assert covered == pythons, (f"{d['name']}: native wheels for {sorted(covered)}, "
+                                        f"bundle made for {sorted(pythons)}")
 
 
 CAPTURE = """
@@ -182,7 +185,7 @@ def collect_gpu_tests(tmp_path: Path, *extra: str) -> subprocess.CompletedProces
 def test_the_device_plugin_skips_the_vllm_tests_and_only_them(tmp_path):
     result = collect_gpu_tests(tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    (line,) = [l for l in result.stdout.splitlines() if l.startswith("CAPTURE ")]
+    (line,) = [printed for printed in result.stdout.splitlines() if printed.startswith("CAPTURE ")]
     reasons = json.loads(line[len("CAPTURE "):])
     vllm = device_plugin.SKIP_REASON.format(device_plugin.NEEDS_VLLM["tests/lmcache/test_glm5_kv_roundtrip.py"])
     glm5 = [n for n in reasons if n.startswith("tests/lmcache/test_glm5_kv_roundtrip.py")]
@@ -192,7 +195,8 @@ def test_the_device_plugin_skips_the_vllm_tests_and_only_them(tmp_path):
     assert len(sharded) == 2 and all(vllm not in reasons[n] for n in sharded), reasons
 
 
-@pytest.mark.skipif(device_plugin.torch_cuda_available(), reason="a CUDA GPU is here: nothing is skipped for want of one")
+@pytest.mark.skipif(device_plugin.torch_cuda_available(),
+                    reason="a CUDA GPU is here: nothing is skipped for want of one")
 def test_device_require_gpu_turns_a_cuda_skip_into_an_error(tmp_path):
     result = collect_gpu_tests(tmp_path, "--device-require-gpu")
     assert result.returncode == 4, result.stdout[-1000:] + result.stderr[-1000:]
