@@ -54,7 +54,7 @@ COPY build/with-build-ca /usr/local/bin/with-build-ca
 # Debian packages at the versions and .deb sha256 of build/lock/debian.txt (`make lock-debian`):
 # each stage installs its section with aptpin (which checks every .deb and the installed set).
 COPY build/lock/debian.txt /opt/glm53/lock/debian.txt
-COPY scripts/imagectl/aptpin.py /usr/local/lib/glm53/aptpin.py
+COPY image/imagectl/aptpin.py /usr/local/lib/glm53/aptpin.py
 # A slim public base has no python3: install Debian's (bookworm: 3.11); the
 # debootstrap base already carries it. Then refuse any other Python.
 # hadolint ignore=DL3008
@@ -114,7 +114,7 @@ RUN ln -s "/work/toolchain/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13
 # FlashInfer's JIT links every module with -L$cuda_home/lib64/stubs -lcuda; the wheels carry
 # no libcuda stub (the driver brings libcuda.so.1 on the node), so make the toolkit's kind:
 # every driver entry point of this cuda.h, SONAME libcuda.so.1, at lib64/stubs only.
-COPY scripts/imagectl/__init__.py scripts/imagectl/cudastub.py /src/scripts/imagectl/
+COPY image/imagectl/__init__.py image/imagectl/cudastub.py /src/scripts/imagectl/
 RUN PYTHONPATH=/src/scripts python -m imagectl.cudastub --cuda-h /opt/cuda/include/cuda.h --out /opt/cuda/lib/stubs/libcuda.so
 ENV CUDA_HOME=/opt/cuda PATH=/opt/cuda/bin:$PATH
 
@@ -122,7 +122,7 @@ ENV CUDA_HOME=/opt/cuda PATH=/opt/cuda/bin:$PATH
 FROM build-base AS sources
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 COPY patches/ /src/patches/
-COPY scripts/imagectl/__init__.py scripts/imagectl/treemap.py /src/scripts/imagectl/
+COPY image/imagectl/__init__.py image/imagectl/treemap.py /src/scripts/imagectl/
 # The project's own steps (build/distbuild): sdists by sha256, pristine commit,
 # `git am` of each patch with exact context; a patch that does not apply stops
 # here naming the patch and hunk. Then a file map of each tree, which the
@@ -149,7 +149,7 @@ ARG MAX_JOBS
 ARG SOURCE_DATE_EPOCH
 # autoconf automake libtool pkg-config libibverbs-dev librdmacm-dev xz-utils (build/lock/debian.txt [libfabric]).
 RUN python3 /usr/local/lib/glm53/aptpin.py install --lock /opt/glm53/lock/debian.txt --stage libfabric
-COPY scripts/imagectl/debsource.py /src/scripts/imagectl/debsource.py
+COPY image/imagectl/debsource.py /src/scripts/imagectl/debsource.py
 WORKDIR /work/libfabric
 RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
     with-build-ca python3 /src/scripts/imagectl/debsource.py --source libfabric \
@@ -235,7 +235,7 @@ RUN rm -rf .git \
     && if ! FLASHINFER_BUILD_NO_PIP=1 BUILD_NVEP=0 BUILD_NIXL_EP=0 BUILD_NCCL_EP=0 pip wheel --no-build-isolation --no-deps --progress-bar off -w /out .; then \
          echo "flashinfer-wheel: building the patched FlashInfer wheel failed" >&2; exit 1; \
        fi
-COPY scripts/imagectl/__init__.py scripts/imagectl/flashinfer_aot.py /src/scripts/imagectl/
+COPY image/imagectl/__init__.py image/imagectl/flashinfer_aot.py /src/scripts/imagectl/
 # The FlashInfer modules vLLM uses for GLM-5.3 FP8 on SM103 (the trtllm-gen
 # fused MoE, the sparse-MLA FMHA, sampling, all-reduce fusion) compiled for
 # sm_103a into /out/aot (the runtime puts it in flashinfer/data/aot/, where
@@ -295,7 +295,7 @@ COPY build/lock/image.txt /opt/glm53/lock/image.txt
 # The closure in layers a registry pulls in parallel and a lock bump re-pulls only in part
 # (imagectl/layers.py): NVIDIA libraries, torch, the rest, then vLLM with our wheels (below).
 # pip --no-compile, then unchecked-hash .pyc of each layer's own files: the same bytes per build.
-COPY scripts/imagectl/__init__.py scripts/imagectl/layers.py /opt/glm53/build/imagectl/
+COPY image/imagectl/__init__.py image/imagectl/layers.py /opt/glm53/build/imagectl/
 RUN python3 /opt/glm53/build/imagectl/layers.py split /opt/glm53/lock/image.txt /opt/glm53/lock/layers
 # hadolint ignore=DL3042
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=build-ca \
@@ -311,7 +311,7 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=build-ca \
     && PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/opt/glm53/build python -m imagectl.layers compile --requirements /opt/glm53/lock/layers/rest.txt
 # The JIT toolchain (FlashInfer, DeepGEMM, Triton): the lock installs the toolchain
 # stage's own compiler wheels (nvcc, ptxas, crt, nvvm, CCCL, cuobjdump: the same files
-# and sha256 as build/pins.toml, build/distbuild/lock.py JIT_TOOLCHAIN) into
+# and sha256 as build/pins.toml, build/distbuild/host/lock.py JIT_TOOLCHAIN) into
 # nvidia/cu13, beside the CUDA 13.0 libraries torch brings. /opt/cuda is laid out
 # as in the toolchain stage (lib64, libcudart.so), and exactly one nvcc, 13.0, is in it.
 RUN cu13="/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13" \
@@ -333,7 +333,7 @@ ENV CUDA_HOME=/opt/cuda PATH=/opt/cuda/bin:$PATH
 # over the whole closure. Only the sums stay in the image (manifest, SBOM).
 # pip check may name unmet requirements only on what the lock leaves out on
 # purpose ("# left out (not installed: why): name" lines, written by
-# build/distbuild/lock.py IMAGE_NOT_INSTALLED: nixl's meta package, which vLLM
+# build/distbuild/host/lock.py IMAGE_NOT_INSTALLED: nixl's meta package, which vLLM
 # imports as nixl._api, requires nixl-cu12 as well; the image is CUDA 13). The
 # self-test accepts the same, read from the same lock.
 # The last layer: vLLM (and the kernels only it pulls in) with our LMCache and FlashInfer wheels.
@@ -378,7 +378,7 @@ COPY --from=sources /work/src/vllm/tests/v1/kv_connector/nixl_integration/toy_pr
 # The role presets, their validator (run by the self-test with this image's
 # vLLM and LMCache) and the Kubernetes deployment with its renderer.
 COPY configs/ /etc/glm53/
-COPY scripts/ /opt/glm53/scripts/
+COPY scripts/ image/ /opt/glm53/scripts/
 # manifest.json (inputs, patches, tree hashes + the wheels and AOT status of
 # this image) and the CycloneDX SBOM of every installed Python package.
 RUN PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/opt/glm53/scripts python -m imagectl.finalize \

@@ -75,10 +75,10 @@ audit: ## arch audit gate: make audit AUDIT_PATH=dir|file|oci-archive [TARGET=sm
 	$(DIST) audit $(TARGET_ARG) $(if $(ALLOWLIST),--allowlist $(ALLOWLIST)) $(if $(JSON),--json $(JSON)) $(AUDIT_PATH)
 
 chart: ## package the Helm chart self-contained (links resolved) into work/chart, check it renders as the source, print its sha256
-	PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild.chart --work $(WORK)
+	PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild.host.chart --work $(WORK)
 
 picture: ## draw docs/dataflow.svg from its text source docs/dataflow.dot (needs Graphviz's dot)
-	PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild.picture
+	PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild.host.picture
 
 clean: ## remove work/ except the download cache
 	find $(WORK) -mindepth 1 -maxdepth 1 ! -name cache -exec rm -rf {} +

@@ -3,7 +3,7 @@
 The suite runs against one LMCache build at a time, named by the environment
 variable ``DIST_LMCACHE_TREE``: ``patched`` (the default), ``pristine``, or
 ``without:<patch file>`` (the series with only that patch left out, see
-``build/distbuild/leaveout.py``) or ``without:<patch file>:<part>`` (the
+``build/distbuild/host/leaveout.py``) or ``without:<patch file>:<part>`` (the
 series with only that part of the patch left out: tests/parts/<upstream>/
 holds the diff that removes it, ``<patch stem>.<part>.diff``).
 Tests marked ``@pytest.mark.fixes("<patch file>", fails_with=r"<regex>")``

@@ -185,7 +185,7 @@ def cmd_pristine_tree(args: argparse.Namespace, layout: Layout) -> int:
 
 
 def _test_environments(layout: Layout) -> tuple[Path, dict[str, dict[str, str]]]:
-    from . import testenv
+    from .host import testenv
 
     pins = pins_step.load(layout.pins_file)
     series = {u: load_series(layout.series_dir(u)) for u in pins_step.upstream_names(pins)}
@@ -223,7 +223,7 @@ def cmd_toolchain(args: argparse.Namespace, layout: Layout) -> int:
 
 def _left_out_site_builder(layout: Layout, python: Path):
     """Builds the site folder of one leave-one-out variant (see leaveout.py)."""
-    from . import leaveout, testenv
+    from .host import leaveout, testenv
 
     tree = layout.tree("lmcache")
     repo = Repo(tree)
@@ -250,7 +250,7 @@ def _left_out_site_builder(layout: Layout, python: Path):
 
 
 def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
-    from . import stress, testrun
+    from .host import stress, testrun
 
     from .toolchain import ensure_toolchain
 
@@ -271,7 +271,7 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
 
 
 def cmd_gpu_bundles(args: argparse.Namespace, layout: Layout) -> int:
-    from . import gpubundles, testenv
+    from .host import gpubundles, testenv
     from .toolchain import ensure_toolchain
 
     pins = pins_step.load(layout.pins_file)
@@ -291,7 +291,7 @@ def cmd_gpu_bundles(args: argparse.Namespace, layout: Layout) -> int:
 
 def cmd_audit(args: argparse.Namespace, layout: Layout) -> int:
     """Arch audit gate (see audit.py): exit 1 when uncovered code cannot run natively on the target."""
-    from . import audit as audit_step
+    from .host import audit as audit_step
     from .toolchain import ensure_toolchain
 
     def cuda_home() -> Path:
@@ -308,7 +308,7 @@ def cmd_audit(args: argparse.Namespace, layout: Layout) -> int:
 
 
 def cmd_lock(args: argparse.Namespace, layout: Layout) -> int:
-    from . import lock as lock_step
+    from .host import lock as lock_step
 
     index = args.index_url or IndexConfig.from_pip().index_urls[0]
     tools = lock_step.requirement_lines(layout.repo / "scripts" / "requirements.txt")
@@ -335,12 +335,12 @@ def cmd_flashinfer_artifacts(args: argparse.Namespace, layout: Layout) -> int:
 
 
 def cmd_image(args: argparse.Namespace, layout: Layout) -> int:
-    from . import image as image_step
+    from .host import image as image_step
 
     if args.lock_debian:
         return image_step.lock_debian(layout, image_step.Options.from_args(args))
     if args.repro:
-        from . import repro
+        from .host import repro
 
         return repro.run(layout, image_step.Options.from_args(args))
     return image_step.run(layout, image_step.Options.from_args(args))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from distbuild import cli
-from distbuild.audit import Report, audit, has_cuda_code, read_cubin
+from distbuild.host.audit import Report, audit, has_cuda_code, read_cubin
 
 # object -> (verdict for sm_103, every target it carries)
 EXPECTED = {

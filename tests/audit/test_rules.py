@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from distbuild.audit import AllowEntry, Arch, classify, load_allowlist, parse_arch
+from distbuild.host.audit import AllowEntry, Arch, classify, load_allowlist, parse_arch
 from distbuild.errors import DistBuildError
 
 B300 = Arch(103)

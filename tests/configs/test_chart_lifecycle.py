@@ -233,7 +233,7 @@ def _entrypoint():
 
 
 def _image_entrypoint_plan():
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "image"))
     try:
         from imagectl import entrypoint
     finally:

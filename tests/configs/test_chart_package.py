@@ -1,4 +1,4 @@
-"""`make chart`: the chart as a self-contained package (build/distbuild/chart.py): the folder and
+"""`make chart`: the chart as a self-contained package (build/distbuild/host/chart.py): the folder and
 the .tgz hold no symlink, the package renders exactly as the source chart, the engine configs in
 it equal configs/prefill and configs/decode, and the same chart gives the same sha256."""
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_the_symlink_check_is_no_rubber_stamp(tmp_path):
     """The check make chart runs finds a link in a folder and in a package."""
     sys.path.insert(0, str(REPO / "build"))
     try:
-        from distbuild import chart
+        from distbuild.host import chart
     finally:
         sys.path.pop(0)
     folder = tmp_path / "c"

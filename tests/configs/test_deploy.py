@@ -783,7 +783,7 @@ INFINIBAND = DEPLOY / "examples" / "infiniband.yaml"
 
 def _nixl_backends_of_rendered(docs, tmp_path) -> dict[str, list[str]]:
     """What the image's preflight reads from each role's mounted vllm.yaml (the ConfigMap)."""
-    sys.path.insert(0, str(CONFIGS.parent / "scripts"))
+    sys.path.insert(0, str(CONFIGS.parent / "image"))
     try:
         from imagectl import preflight
     finally:

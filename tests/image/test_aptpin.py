@@ -1,4 +1,4 @@
-"""build/lock/debian.txt and its reader (scripts/imagectl/aptpin.py, run inside each stage)."""
+"""build/lock/debian.txt and its reader (image/imagectl/aptpin.py, run inside each stage)."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from distbuild import baseimage
+from distbuild.host import baseimage
 from imagectl import aptpin
 
 from .conftest import REPO

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from distbuild import baseimage, engine as engine_step
+from distbuild.host import baseimage, engine as engine_step
 from distbuild.errors import DistBuildError
 
 from .conftest import REPO
@@ -117,7 +117,7 @@ def test_a_base_without_the_pinned_python_is_refused(engine: engine_step.Engine,
 def test_two_clean_builds_of_the_first_stages_give_the_same_digests(engine: engine_step.Engine, tmp_path: Path) -> None:
     """make image-repro at CI size: the base (debootstrap + build/lock/debian.txt), build-base, toolchain
     and sources, each built twice in its own empty storage: every layer and the content digest
-    (the config without buildah's build-container id, build/distbuild/repro.py) equal, else the
+    (the config without buildah's build-container id, build/distbuild/host/repro.py) equal, else the
     report names the differing layers and files. ~2 x 6 min."""
     if engine.name not in ("podman", "buildah"):
         pytest.skip(f"make image-repro needs podman or buildah (clean storage per build), not {engine.name}")

@@ -1,4 +1,4 @@
-"""The link-time libcuda stub (scripts/imagectl/cudastub.py) from the pinned toolchain's cuda.h.
+"""The link-time libcuda stub (image/imagectl/cudastub.py) from the pinned toolchain's cuda.h.
 
 FlashInfer's JIT links every module with ``-L$cuda_home/lib64/stubs -lcuda``; the toolchain
 wheels carry no libcuda, so without the stub such a link fails ("cannot find -lcuda"). The

@@ -1,4 +1,4 @@
-"""The image's Debian source fetch (scripts/imagectl/debsource.py) against a loopback HTTP
+"""The image's Debian source fetch (image/imagectl/debsource.py) against a loopback HTTP
 mirror laid out like Debian's pool: the verified file, the cache, and a corrupted file refused."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from tests.image.conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "image"))
 from imagectl import debsource  # noqa: E402
 
 DOCKERFILE = REPO / "Dockerfile"
@@ -38,7 +38,7 @@ def mirror(tmp_path: Path):
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "imagectl" / "debsource.py"), *args],
+    return subprocess.run([sys.executable, str(REPO / "image" / "imagectl" / "debsource.py"), *args],
                           capture_output=True, text=True)
 
 

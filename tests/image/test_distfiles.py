@@ -1,4 +1,4 @@
-"""The self-test's installed-files check (scripts/imagectl/distfiles.py) on real wheels that
+"""The self-test's installed-files check (image/imagectl/distfiles.py) on real wheels that
 the test builds and real pip installs into a folder, as the image's pip installs the lock."""
 from __future__ import annotations
 

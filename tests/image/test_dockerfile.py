@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from distbuild import image
+from distbuild.host import image
 from distbuild.errors import DistBuildError
 from distbuild.paths import Layout
 from distbuild.pins import load

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from distbuild import engine, lock
+from distbuild.host import engine, lock
 from distbuild.errors import DistBuildError
 from distbuild.pins import Pin, load as load_pins
 

@@ -86,6 +86,6 @@ def test_tools_self_test_and_documents() -> None:
 def test_entrypoint_script_runs_and_prints_usage() -> None:
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "entrypoint"), "--help"],
+    out = subprocess.run([sys.executable, str(REPO / "image" / "entrypoint"), "--help"],
                          capture_output=True, text=True)
     assert out.returncode == 0 and "role preset" in out.stdout

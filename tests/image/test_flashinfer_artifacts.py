@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from distbuild import cli, image
+from distbuild import cli
+
+from distbuild.host import image
 from distbuild import flashinfer_artifacts as fa
 from distbuild.errors import DistBuildError
 from distbuild.paths import Layout

@@ -1,4 +1,4 @@
-"""The runtime's pip layers (scripts/imagectl/layers.py): the lock split into groups, and bytecode
+"""The runtime's pip layers (image/imagectl/layers.py): the lock split into groups, and bytecode
 that is the same for the same sources."""
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _fake_dist(site: Path, name: str, source: str) -> Path:
 
 
 def _compile(site: Path, seed: str = "0") -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO / 'scripts'}", PYTHONHASHSEED=seed,
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO / 'image'}", PYTHONHASHSEED=seed,
                PYTHONDONTWRITEBYTECODE="1")
     return subprocess.run([sys.executable, "-m", "imagectl.layers", "compile", "demo"], capture_output=True, text=True,
                           env=env)

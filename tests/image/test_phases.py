@@ -1,4 +1,4 @@
-"""The entrypoint's cold-start phases (scripts/imagectl/phases.py).
+"""The entrypoint's cold-start phases (image/imagectl/phases.py).
 
 ``RECORDED`` is a decode start (two data-parallel engines) in vLLM 0.31.0's log format
 (``(<process> pid=N) LEVEL MM-DD HH:MM:SS [file:line] message``) and FlashInfer 0.7.0.post1's
@@ -138,8 +138,8 @@ sys.exit({code!r})
 
 def entrypoint(args: list[str], bin_dir: Path, **env: str) -> subprocess.Popen:
     environ = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GLM53_CONFIGS": str(REPO / "configs"),
-               "PYTHONPATH": str(REPO / "scripts"), "GLM53_SKIP_PREFLIGHT": "1", **env}
-    return subprocess.Popen([sys.executable, str(REPO / "scripts" / "entrypoint"), *args], env=environ,
+               "PYTHONPATH": str(REPO / "image"), "GLM53_SKIP_PREFLIGHT": "1", **env}
+    return subprocess.Popen([sys.executable, str(REPO / "image" / "entrypoint"), *args], env=environ,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

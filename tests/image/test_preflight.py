@@ -1,4 +1,4 @@
-"""The container-start preflight (scripts/imagectl/preflight.py) on real parts: /dev/shm sizes
+"""The container-start preflight (image/imagectl/preflight.py) on real parts: /dev/shm sizes
 read with statvfs from real tmpfs mounts, real config.json files, a real nvcc (the pinned
 toolchain's, when built here), the shipped presets, and the entrypoint that runs it.
 
@@ -122,7 +122,7 @@ def test_tmp_and_home_must_take_a_file_under_a_read_only_root(tmp_path: Path) ->
     verdicts = {}
     for name, given in (("read-only", str(REPO)), ("writable", str(home))):
         argv = read_only_root.command(sys.executable, [str(home)],
-                                      [sys.executable, "-c", code, str(REPO / "scripts"), given])
+                                      [sys.executable, "-c", code, str(REPO / "image"), given])
         done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         verdicts[name] = json.loads(done.stdout)
@@ -460,8 +460,8 @@ def test_entrypoint_runs_the_preflight_before_a_role_and_can_skip_it() -> None:
 def test_entrypoint_refuses_to_start_when_the_preflight_fails(tmp_path: Path) -> None:
     """The real entrypoint script: a model the presets cannot serve stops it before vLLM."""
     model = model_dir(tmp_path, GLM53_FLASH)
-    env = {**os.environ, "GLM53_CONFIGS": str(CONFIGS), "PYTHONPATH": str(REPO / "scripts")}
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "entrypoint"), "prefill", str(model)],
+    env = {**os.environ, "GLM53_CONFIGS": str(CONFIGS), "PYTHONPATH": str(REPO / "image")}
+    done = subprocess.run([sys.executable, str(REPO / "image" / "entrypoint"), "prefill", str(model)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 1
     assert "preflight: FAIL  model" in done.stderr and "Glm5NextForCausalLM is GLM-5.3-Flash" in done.stderr
@@ -494,7 +494,7 @@ def test_getuser_works_for_an_unknown_uid_with_the_identity_env(tmp_path: Path) 
             "print(getpass.getuser(), os.environ['HOME'])")
     env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME", "LNAME", "USERNAME")}
     env["HOME"] = "/"
-    done = subprocess.run([sys.executable, "-c", code, str(REPO / "scripts")], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-c", code, str(REPO / "image")], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     user, home = done.stdout.split()
     assert user == "uid1000680000" and home == "/tmp"   # no /home/serve here; /tmp is writable

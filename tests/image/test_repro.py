@@ -1,4 +1,4 @@
-"""make image-repro's comparison (build/distbuild/repro.py), the layer table and the provenance
+"""make image-repro's comparison (build/distbuild/host/repro.py), the layer table and the provenance
 ``make image`` stamps. The real double build of the first stages is in test_build.py."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from distbuild import engine as engine_step, image, layertable, repro
+from distbuild.host import engine as engine_step, image, layertable, repro
 
 from .conftest import REPO
 
@@ -158,10 +158,10 @@ def test_the_epoch_is_the_commit_time_of_the_last_change_to_the_build_inputs(tmp
     commit("Dockerfile", 1_800_000_000)
     commit("configs/x.yaml", 1_800_000_500)   # not a compile-stage input
     commit(".dockerignore", 1_800_000_600)
-    (repo / ".dockerignore").write_text("# host-side\nbuild/distbuild/testenv.py\nwork/\n**/__pycache__/\n")
+    (repo / ".dockerignore").write_text("# host-side\nbuild/distbuild/host/\nwork/\n**/__pycache__/\n")
     subprocess.run(["git", "-C", str(repo), "commit", "-qam", "ignore", "--date=@1800000600"], check=True,
                    env={**env, "GIT_COMMITTER_DATE": "@1800000600 +0000"})
-    commit("build/distbuild/testenv.py", 1_800_000_900)   # outside the build context: no stage reads it
+    commit("build/distbuild/host/testenv.py", 1_800_000_900)   # outside the build context: no stage reads it
     commit("build/__pycache__/x.pyc", 1_800_000_950)
     saved = os.environ.pop("SOURCE_DATE_EPOCH", None)
     try:

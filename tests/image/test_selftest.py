@@ -316,7 +316,7 @@ def test_requirements_check_is_pips_and_names_what_is_missing(tmp_path: Path) ->
 
 def test_requirements_check_accepts_only_what_the_lock_leaves_out(tmp_path: Path) -> None:
     """nixl's meta package requires nixl-cu12 and nixl-cu13; the image installs only cu13 and
-    its lock says so (build/distbuild/lock.py IMAGE_NOT_INSTALLED). pip check's complaint about
+    its lock says so (build/distbuild/host/lock.py IMAGE_NOT_INSTALLED). pip check's complaint about
     exactly that distribution passes, with the lock's reason; without the lock line, or with
     any other unmet requirement beside it, the check fails."""
     venv = tmp_path / "venv"
@@ -533,7 +533,7 @@ def test_flashinfer_probe_asks_vllm_itself(tmp_path: Path) -> None:
     env_path.mkdir()
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from imagectl import selftest; import json;"
             "print('RESULT', json.dumps(selftest.probe_flashinfer()))")
-    done = subprocess.run([sys.executable, "-c", code, str(REPO / "scripts")], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", code, str(REPO / "image")], capture_output=True, text=True,
                           env={**os.environ, "PATH": f"{env_path}:/usr/bin:/bin"}, timeout=600)
     result = json.loads(done.stdout.split("RESULT ", 1)[1])
     assert result["has_flashinfer"] is False and result["has_flashinfer_trtllm_fused_moe"] is False

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.lmcache
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).resolve().parent / "csrc" / "batch_completion_tsan.cpp"
-STAMP = "dist-lmcache-tree"  # written by build/distbuild/testenv.py install()
+STAMP = "dist-lmcache-tree"  # written by build/distbuild/host/testenv.py install()
 HEADERS = ("connector_base.h", "connector_types.h", "connector_interface.h", "event_notifier.h")
 RUN_TIMEOUT_S = 120
 

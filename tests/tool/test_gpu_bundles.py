@@ -1,4 +1,4 @@
-"""The GPU bundles' stamps (build/distbuild/gpubundles.py): a bundle says which series it was
+"""The GPU bundles' stamps (build/distbuild/host/gpubundles.py): a bundle says which series it was
 made from, and a GPU run refuses one that is not the carried tree's or that changed since.
 
 The repositories here are small real git trees with a real series folder; the device script
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from distbuild import gpubundles
+from distbuild.host import gpubundles
 
 REPO = Path(__file__).resolve().parents[2]
 PATCH = """From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001

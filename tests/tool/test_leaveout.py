@@ -1,4 +1,4 @@
-"""The leave-one-out variants (build/distbuild/leaveout.py) on a real git tree.
+"""The leave-one-out variants (build/distbuild/host/leaveout.py) on a real git tree.
 
 The tree is a pristine commit and one commit per patch, made with the build
 tool's own git wrapper, as ``make patched`` makes them. Patch 3 edits lines
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from distbuild import leaveout
+from distbuild.host import leaveout
 from distbuild.errors import DistBuildError
 from distbuild.gitrepo import PRISTINE_REF, Repo
 from distbuild.series import series_entries

@@ -20,7 +20,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "build"))
 
-from distbuild import lock, markers  # noqa: E402
+from distbuild.host import markers  # noqa: E402
+
+from distbuild.host import lock
 from distbuild.errors import DistBuildError  # noqa: E402
 
 ONLY_ON_3111 = 'python_full_version == "3.11.1"'

@@ -1,4 +1,4 @@
-"""``make stress``'s comparison (build/distbuild/stress.py): which results changed under load."""
+"""``make stress``'s comparison (build/distbuild/host/stress.py): which results changed under load."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from distbuild import stress
+from distbuild.host import stress
 from distbuild.errors import DistBuildError
 
 

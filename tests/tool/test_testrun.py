@@ -1,4 +1,4 @@
-"""Pieces of ``make test``'s runner (build/distbuild/testrun.py) that decide what counts."""
+"""Pieces of ``make test``'s runner (build/distbuild/host/testrun.py) that decide what counts."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from distbuild import testrun
+from distbuild.host import testrun
 from distbuild.errors import DistBuildError
 
 
@@ -58,7 +58,7 @@ def test_no_engine_leaves_out_the_engine_scenarios_even_where_a_path_names_them(
     import subprocess
     import sys
 
-    from distbuild.testrun import ENGINE_TESTS, without_engine
+    from distbuild.host.testrun import ENGINE_TESTS, without_engine
 
     repo = Path(__file__).resolve().parents[2]
     for given in (["tests/tool", "tests/engine"], [f"{ENGINE_TESTS}/test_harness.py", "tests/tool/test_testrun.py"]):

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../../.." || exit 2
 BUNDLE=${1:-work/activation-bundle}
 BUILD_DIR=${BUILD_DIR:-${TMPDIR:-/tmp}/dist-activation-build}
 mkdir -p "$OUT" "$BUILD_DIR"
-PYTHONPATH=build python3 -m distbuild.gpubundles check "$BUNDLE" 2>&1 | tee "$OUT/activation.log"
+PYTHONPATH=build python3 -m distbuild.host.gpubundles check "$BUNDLE" 2>&1 | tee "$OUT/activation.log"
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "device_run.sh: no usable bundle at $BUNDLE" >&2; exit 2; }
 {
   date -u

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MANIFEST = "manifest.json"
-STAMP = "SOURCES.json"  # written over the finished bundle by `make gpu-bundles` (distbuild.gpubundles)
+STAMP = "SOURCES.json"  # written over the finished bundle by `make gpu-bundles` (distbuild.host.gpubundles)
 SOURCE_ARCHIVE = "lmcache-src.tar.gz"
 WHEELS = "wheels"
 # What setup.py build_ext and the tests read (LMCache's docs, examples,

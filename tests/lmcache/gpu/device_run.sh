@@ -117,7 +117,7 @@ Path(sys.argv[1]).write_text(json.dumps(env, indent=1) + "\n")
 print(json.dumps(env))
 EOF
 }
-step stamp env PYTHONPATH="$REPO/build" python3 -m distbuild.gpubundles check "$BUNDLE" \
+step stamp env PYTHONPATH="$REPO/build" python3 -m distbuild.host.gpubundles check "$BUNDLE" \
   || fail "the bundle at $BUNDLE is not this tree's (above): make gpu-bundles"
 step detect detect || fail "cannot run $PYTHON"
 envget() { "$PYTHON" -c "import json,sys; v=json.load(open('$DETAILS/env.json')).get('$1'); print('' if v is None else v)"; }

@@ -11,7 +11,7 @@ machine that has PyTorch and nvcc but no package index.
   every Python in --pythons (3.12: the GPU host's; 3.11: the build host's, for
   check_local.sh);
 * leaveout/: the Python files of the leave-one-out variant the gpu test's
-  proof names, from build/distbuild/leaveout.py, so that the GPU machine also
+  proof names, from build/distbuild/host/leaveout.py, so that the GPU machine also
   runs the proof where it must fail (--leaveout '' leaves it out). The proof
   is of 0010's stream-order part, so the variant is the series with 0010 less
   that part (tests/parts/lmcache/0010-pcp-shard-sync-load.stream-order.diff):
@@ -102,9 +102,9 @@ def leaveout_overlay(tree: Path, variant: str, dest: Path) -> dict:
     that patch (and the patches the series leaves out with it),
     ``<patch file>:<part>`` the series with only that part of the patch
     removed (PARTS). Computed from HEAD now, as make test's leave-one-out
-    phase does (build/distbuild/leaveout.py), so it cannot be stale."""
+    phase does (build/distbuild/host/leaveout.py), so it cannot be stale."""
     sys.path.insert(0, str(REPO / "build"))
-    from distbuild import leaveout
+    from distbuild.host import leaveout
     from distbuild.errors import DistBuildError
     from distbuild.gitrepo import Repo
     from distbuild.series import series_entries

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import leaveout
-from .errors import DistBuildError
-from .gitrepo import PRISTINE_REF, Repo
+from ..errors import DistBuildError
+from ..gitrepo import PRISTINE_REF, Repo
 
 PARTS_DIR = Path("tests") / "parts" / "lmcache"
 # A bound on a hung phase, not on a slow one: phase 1 took 21 minutes on an idle 2-core host and

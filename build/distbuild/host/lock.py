@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import markers
-from .errors import DistBuildError
-from .pins import Pin, normalize_name
+from ..errors import DistBuildError
+from ..pins import Pin, normalize_name
 
 PYTHON_VERSION = "3.11"
 IMAGE_PYTHON = "3.11.2"   # the base image's python3 (Debian bookworm); the Dockerfile's PYTHON_VERSION is 3.11

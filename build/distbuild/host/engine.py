@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import DistBuildError
+from ..errors import DistBuildError
 
 CONTAINERS_CONF = Path("/etc/containers/containers.conf")
 CONF_MARKER = "# written by distbuild (make image)"

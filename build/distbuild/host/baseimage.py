@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from .engine import Engine
-from .errors import DistBuildError
+from ..errors import DistBuildError
+from ..paths import REPO_ROOT
 
 SUITE = "bookworm"
 TAG = "localhost/glm53-base:bookworm"
@@ -106,7 +107,7 @@ def section_digest(lock_text: str, stage: str = "base") -> str | None:
 
 
 def _aptpin() -> Path:
-    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    scripts = REPO_ROOT / "image"
     if str(scripts) not in sys.path:
         sys.path.insert(0, str(scripts))
     return scripts / "imagectl" / "aptpin.py"

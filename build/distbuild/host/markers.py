@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import DistBuildError
-from .pins import normalize_name
+from ..errors import DistBuildError
+from ..pins import normalize_name
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ import sys
 import tarfile
 from pathlib import Path
 
-from .errors import DistBuildError
-from .paths import REPO_ROOT
+from ..errors import DistBuildError
+from ..paths import REPO_ROOT
 
 CHART = Path("configs") / "deploy" / "chart"
 EXAMPLES = Path("configs") / "deploy" / "examples"

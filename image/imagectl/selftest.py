@@ -692,7 +692,7 @@ UNMET_LINE = re.compile(r"^(?P<dist>\S+) (?P<version>\S+) requires (?P<name>\S+)
 
 def not_installed(lock: Path) -> dict[str, str]:
     """What the image's lock resolved but leaves out on purpose, with why
-    (build/distbuild/lock.py IMAGE_NOT_INSTALLED writes these lines)."""
+    (build/distbuild/host/lock.py IMAGE_NOT_INSTALLED writes these lines)."""
     if not lock.is_file():
         return {}
     found = {}

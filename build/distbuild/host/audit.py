@@ -96,7 +96,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Callable, Iterator
 
-from .errors import DistBuildError
+from ..errors import DistBuildError
 
 CLASSES = ("native", "family", "same-major", "ptx-only", "not-runnable")
 FAILING = ("ptx-only", "not-runnable")

@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Callable
 
 from . import baseimage, engine as engine_step
-from .errors import DistBuildError
+from ..errors import DistBuildError
 from .lock import check_host  # noqa: F401  (re-exported for tests)
-from .paths import Layout
-from .pins import load as load_pins, normalize_name
+from ..paths import REPO_ROOT, Layout
+from ..pins import load as load_pins, normalize_name
 
 STAGES = ("base", "build-base", "toolchain", "sources", "libfabric", "build-env", "lmcache-wheel", "flashinfer-wheel",
           "runtime")
@@ -52,11 +52,11 @@ STAGE_TAG = "localhost/glm53-stage:{stage}"
 # SOURCE_DATE_EPOCH of the stages: the commit time of the last change to what they read. Only
 # these paths: a change to configs/ or the operator tools rebuilds the runtime's tail, not the
 # compile stages (a new epoch would). The runtime's labels carry HEAD's commit time.
-BUILD_INPUTS = ("Dockerfile", ".dockerignore", "build", "patches", "scripts/imagectl/__init__.py",
-                "scripts/imagectl/aptpin.py", "scripts/imagectl/cudastub.py", "scripts/imagectl/treemap.py",
-                "scripts/imagectl/flashinfer_aot.py", "scripts/imagectl/layers.py",
-                "scripts/imagectl/debsource.py")
-BASE_INPUTS = ("build/lock/debian.txt", "build/distbuild/baseimage.py", "scripts/imagectl/aptpin.py")
+BUILD_INPUTS = ("Dockerfile", ".dockerignore", "build", "patches", "image/imagectl/__init__.py",
+                "image/imagectl/aptpin.py", "image/imagectl/cudastub.py", "image/imagectl/treemap.py",
+                "image/imagectl/flashinfer_aot.py", "image/imagectl/layers.py",
+                "image/imagectl/debsource.py")
+BASE_INPUTS = ("build/lock/debian.txt", "build/distbuild/host/baseimage.py", "image/imagectl/aptpin.py")
 ERROR_HINTS = re.compile(r"(error|Error|ERROR|failed|FAILED|does not apply|not found|No such file)")
 
 
@@ -293,7 +293,7 @@ def provenance(repo: Path) -> dict[str, str]:
 
 
 def _imagectl():
-    scripts = str(Path(__file__).resolve().parents[2] / "scripts")
+    scripts = str(REPO_ROOT / "image")
     if scripts not in sys.path:
         sys.path.insert(0, scripts)
     from imagectl import labels
@@ -353,7 +353,7 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print,
                 # The checker is the repository's (mounted read-only), so editing it never rebuilds the stage.
                 check = builder.run(tag, ["-m", "imagectl.selftest", "--stage", "sources"],
                                     env={"PYTHONPATH": "/selftest"}, entrypoint="python3",
-                                    volumes={layout.repo / "scripts": "/selftest"})
+                                    volumes={layout.repo / "image": "/selftest"})
                 print(check.stdout + check.stderr, end="")
                 report["sources_selftest"] = check.stdout
                 if check.returncode != 0:
@@ -422,7 +422,7 @@ FETCH_HINT = "run `make flashinfer-artifacts [FLASHINFER_MIRROR=url-or-folder]`"
 def _stage_flashinfer_artifacts(layout: Layout, options: Options, log: Callable[[str], None]):
     """The cached FlashInfer artifact set into the build context (flashinfer_artifacts.stage);
     a release without a complete set stops here, before any stage is built."""
-    from . import flashinfer_artifacts as fa
+    from .. import flashinfer_artifacts as fa
 
     status = fa.stage(layout.cache / fa.CACHE_SUBDIR, layout.repo / "build" / fa.CACHE_SUBDIR, log)
     if not status.complete:
@@ -445,7 +445,7 @@ def _check_release_pins(builder: "Builder", sources_tag: str, staged) -> None:
     fetched for another FlashInfer would leave the flashinfer-wheel stage nothing to compile."""
     import tempfile
 
-    from . import flashinfer_artifacts as fa
+    from .. import flashinfer_artifacts as fa
 
     with tempfile.TemporaryDirectory(prefix="glm53-flashinfer-pins-") as tmp:
         for name in PIN_FILES:
@@ -474,8 +474,8 @@ def audit_image(layout: Layout, engine: engine_step.Engine, image: str, target: 
                 log: Callable[[str], None]) -> dict:
     """Run the audit gate on the image's filesystem (mounted when the engine can, else a saved archive)."""
     from . import audit as audit_step
-    from .cli import _client
-    from .toolchain import ensure_toolchain
+    from ..cli import _client
+    from ..toolchain import ensure_toolchain
 
     def cuda_home() -> Path:
         return ensure_toolchain(load_pins(layout.pins_file), layout.cache, layout.work / "toolchain", _client)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from .engine import Engine
-from .errors import DistBuildError
+from ..errors import DistBuildError
 
 _ARGS_PREFIX = re.compile(r"^\|\d+ (?:\S+=\S* )*")
 _INTERMEDIATE = re.compile(r"^FROM [0-9a-f]{12,64}$")

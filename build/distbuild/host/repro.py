@@ -25,7 +25,7 @@ from typing import Callable
 
 from . import baseimage
 from . import engine as engine_step
-from .errors import DistBuildError
+from ..errors import DistBuildError
 
 Listing = dict[str, list]
 

@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .errors import DistBuildError
-from .paths import REPO_ROOT
+from ..errors import DistBuildError
+from ..paths import REPO_ROOT
 
 SOURCE = Path("docs") / "dataflow.dot"
 PICTURE = Path("docs") / "dataflow.svg"

