@@ -16,12 +16,9 @@ attributes the factory reads).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-import torch
 
-from tests.support.pcp_ranks import CHUNK_SIZE, mla_metadata
+from tests.support.pcp_ranks import CHUNK_SIZE, guard_vllm_config as vllm_config, mla_metadata
 
 pytestmark = pytest.mark.lmcache
 
@@ -37,27 +34,6 @@ def lmcache_config(**overrides):
         max_local_cpu_size=0.01,
         extra_config={"pcp_shard_store": True},
         **overrides,
-    )
-
-
-def vllm_config(**parallel):
-    from vllm.config import ParallelConfig
-
-    model_config = SimpleNamespace(
-        model="guards-model",
-        served_model_name="guards-model",
-        dtype=torch.bfloat16,
-        use_mla=True,
-        get_num_layers=lambda parallel_config: 3,
-        get_num_kv_heads=lambda parallel_config: 1,
-        get_head_size=lambda: 8,
-    )
-    return SimpleNamespace(
-        parallel_config=ParallelConfig(**parallel),
-        model_config=model_config,
-        cache_config=SimpleNamespace(cache_dtype="auto"),
-        speculative_config=None,
-        kv_transfer_config=None,
     )
 
 

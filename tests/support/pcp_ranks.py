@@ -155,6 +155,33 @@ def valkey_engine_config(url: str):
     )
 
 
+def guard_vllm_config(**parallel):
+    """What VllmServiceFactory reads of a vLLM config, for the init guards' tests: vLLM's own
+    ParallelConfig (which validates the sizes as vLLM does) and small stand-ins for the model and
+    cache configs (the real ones need a model download), an MLA model of 3 layers."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config import ParallelConfig
+
+    model_config = SimpleNamespace(
+        model="guards-model",
+        served_model_name="guards-model",
+        dtype=torch.bfloat16,
+        use_mla=True,
+        get_num_layers=lambda parallel_config: 3,
+        get_num_kv_heads=lambda parallel_config: 1,
+        get_head_size=lambda: 8,
+    )
+    return SimpleNamespace(
+        parallel_config=ParallelConfig(**parallel),
+        model_config=model_config,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        speculative_config=None,
+        kv_transfer_config=None,
+    )
+
+
 def mla_metadata(
     model_name: str,
     world_size: int,
