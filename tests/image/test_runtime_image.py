@@ -442,15 +442,16 @@ def test_a_development_image_starts_with_the_download_accepted_and_its_store_ans
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     store = f"--env=FLASHINFER_CUBINS_REPOSITORY=http://127.0.0.1:{server.server_address[1]}/"
+    model = _model(tmp_path)
     try:
         done = run_image(image, "preflight", "prefill", "/models/GLM-5.3-FP8", network="host",
-                         extra=("--shm-size=17g", *MEMLOCK, _model(tmp_path), "--env=GLM53_FLASHINFER_DOWNLOAD=1",
+                         extra=("--shm-size=17g", *MEMLOCK, model, "--env=GLM53_FLASHINFER_DOWNLOAD=1",
                                 store), timeout=300)
     finally:
         server.shutdown()
     assert done.returncode == 0, done.stdout + done.stderr
     assert "preflight: WARN  flashinfer artifacts" in done.stdout, done.stdout
     offline = run_image(image, "preflight", "prefill", "/models/GLM-5.3-FP8", network="none",
-                        extra=("--shm-size=17g", *MEMLOCK, _model(tmp_path), "--env=GLM53_FLASHINFER_DOWNLOAD=1",
+                        extra=("--shm-size=17g", *MEMLOCK, model, "--env=GLM53_FLASHINFER_DOWNLOAD=1",
                                store), timeout=300)
     assert offline.returncode != 0 and "preflight: FAIL  flashinfer artifacts" in offline.stdout, offline.stdout
