@@ -20,12 +20,10 @@ smaller than the budget.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
-import torch
 
-from tests.support.pcp_ranks import CHUNK_SIZE
+from tests.support.pcp_ranks import CHUNK_SIZE, guard_vllm_config
 
 pytestmark = pytest.mark.lmcache
 
@@ -43,29 +41,11 @@ def rank_metadata(world_size: int, rank: int):
     GPUs of the node (one stub device here, so W > 1 ranks look multi-node);
     the scheduler path reads the same parallel config without probing, and
     the rank's role is then set to worker."""
-    from vllm.config import ParallelConfig
-
     from lmcache.integration.vllm.vllm_service_factory import VllmServiceFactory
     from lmcache.v1.config import LMCacheEngineConfig
 
-    parallel = ParallelConfig(prefill_context_parallel_size=world_size)
-    parallel.rank = rank
-    model_config = SimpleNamespace(
-        model="l1-model",
-        served_model_name="l1-model",
-        dtype=torch.bfloat16,
-        use_mla=True,
-        get_num_layers=lambda parallel_config: 3,
-        get_num_kv_heads=lambda parallel_config: 1,
-        get_head_size=lambda: 8,
-    )
-    vllm_config = SimpleNamespace(
-        parallel_config=parallel,
-        model_config=model_config,
-        cache_config=SimpleNamespace(cache_dtype="auto"),
-        speculative_config=None,
-        kv_transfer_config=None,
-    )
+    vllm_config = guard_vllm_config(prefill_context_parallel_size=world_size)
+    vllm_config.parallel_config.rank = rank
     config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK_SIZE)
     metadata = VllmServiceFactory(config, vllm_config, "scheduler").get_or_create_metadata()
     assert (metadata.world_size, metadata.worker_id) == (world_size, rank)
