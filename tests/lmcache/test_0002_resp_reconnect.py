@@ -22,7 +22,8 @@ import time
 import pytest
 
 from tests.lmcache.test_0002_resp_missing_key import NativeClient
-from tests.support.valkey import free_loopback_port, start_valkey
+from tests.support.ports import free_loopback_port
+from tests.support.valkey import start_valkey
 
 PATCH = "0002-redis-connector-missing-key-is-a-miss.patch"
 
@@ -41,6 +42,9 @@ RECONNECT_BOUND_S = 8.0
 # after 2 s (once when the worker starts, once for the GET), plus slack.
 CONNECT_TIMEOUT_BOUND_S = 8.0
 VALUE_BYTES = 4096
+# How long the client's worker threads may take to open their connections
+# (a hang bound: on an idle machine it is milliseconds).
+WORKERS_CONNECTED_BOUND_S = 30.0
 
 
 def _get_miss(client: NativeClient, key: str, why: str) -> float:
@@ -69,6 +73,29 @@ def _round_trip_within(client: NativeClient, bound_s: float, why: str) -> float:
                 return time.monotonic() - started
         time.sleep(0.05)
     raise AssertionError(f"no SET+GET round trip within {bound_s} s after Valkey {why} ({attempts} attempts)")
+
+
+def _wait_until_every_worker_is_connected(server, num_workers: int) -> None:
+    """Wait until Valkey counts a connection from each of the client's workers.
+
+    Each worker connects when its thread first runs. One that had not yet run
+    when the server was killed would connect to the restarted server, and a
+    round trip through it would pass for a reconnect on the pristine tree too.
+    """
+    probe = server.client()
+    deadline = time.monotonic() + WORKERS_CONNECTED_BOUND_S
+    try:
+        while True:
+            # the probe's own connection is one of the clients Valkey counts
+            others = len(probe.client_list()) - 1
+            if others >= num_workers:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{others} of the client's {num_workers} workers connected within {WORKERS_CONNECTED_BOUND_S} s")
+            time.sleep(0.02)
+    finally:
+        probe.close()
 
 
 @pytest.fixture
@@ -115,6 +142,7 @@ def test_client_reconnects_after_valkey_is_killed_and_restarted(tmp_path, client
     client = NativeClient(server.host, server.port, num_workers=2)
     clients.append(client)
     _round_trip_within(client, RECONNECT_BOUND_S, "started")
+    _wait_until_every_worker_is_connected(server, num_workers=2)
 
     server.process.kill()
     server.process.wait(timeout=10)
