@@ -81,6 +81,11 @@ from pathlib import Path
 from typing import IO, Any, Protocol, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.support.ports import free_loopback_port  # noqa: E402
+
 DEFAULT_PYTHON = REPO / "work" / "venv" / "bin" / "python"
 DEFAULT_PRISTINE = REPO / "work" / "lmcache-pristine"
 VARIANTS = ("patched", "pristine", "raw")
@@ -397,12 +402,6 @@ class BenchError(RuntimeError):
 
 class WorkerTimeout(RuntimeError):
     """A worker did not answer in time (a hung GET, a lost completion)."""
-
-
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def valkey_binary() -> Path:

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from tests.configs.support import CONFIGS, SCRIPTS, load_kvsizing
-from tests.support.valkey import free_loopback_port, start_valkey
+from tests.support.ports import free_loopback_port
+from tests.support.valkey import start_valkey
 
 kvsizing = load_kvsizing()
 model = kvsizing.model

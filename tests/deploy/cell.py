@@ -9,12 +9,12 @@ address, and the two volume folders (/run/valkey, /data) become temporary folder
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from tests.configs.support import load_render
+from tests.support.ports import free_loopback_port
 from tests.support.valkey import valkey_server_binary
 
 render = load_render()
@@ -43,19 +43,13 @@ def container(doc: dict, name: str | None = None) -> dict:
     return containers[0] if name is None else next(c for c in containers if c["name"] == name)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RenderedShard:
     """One shard pod's valkey container, run as its rendered command says."""
 
     def __init__(self, docs: list[dict], workdir: Path, password: str | None = PASSWORD,
                  uid: int | None = None) -> None:
         self.spec = container(by(docs, "StatefulSet", "valkey-lmcache"), "valkey")
-        self.port = free_port()
+        self.port = free_loopback_port()
         self.workdir = workdir
         self.run_dir, self.data_dir = workdir / "run", workdir / "data"
         for folder in (self.run_dir, self.data_dir):

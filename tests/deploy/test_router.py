@@ -57,7 +57,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -74,6 +73,7 @@ aiohttp = pytest.importorskip("aiohttp")
 import aiohttp.web  # noqa: E402
 
 from tests.ops.fake_engine import shutdown_runner  # noqa: E402
+from tests.support.ports import free_loopback_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTER_VERSION = "0.1.17"
@@ -105,12 +105,6 @@ pytestmark = pytest.mark.skipif(
     reason=f"vllm-router {ROUTER_VERSION} not found: set DIST_VLLM_ROUTER to its executable "
     f"(python3 -m venv work/venv-router && work/venv-router/bin/pip install vllm-router=={ROUTER_VERSION})",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
@@ -194,7 +188,7 @@ class Cell:
         assert ROUTER is not None
         args = [ROUTER, "--vllm-pd-disaggregation", "--kv-connector", "nixl",
                 "--host", "127.0.0.1", "--port", str(self.router_port),
-                "--prometheus-port", str(free_port()),
+                "--prometheus-port", str(free_loopback_port()),
                 "--prefill-policy", self.prefill_policy, "--decode-policy", DECODE_POLICY,
                 "--health-check-interval-secs", str(HEALTH_INTERVAL_S),
                 "--health-failure-threshold", str(HEALTH_FAILURE_THRESHOLD),
@@ -226,9 +220,10 @@ def make_cell(tmp_path: Path):
 
     def make(shutdown_timeout: float = 0.0, prefill_rate: float = 2_000.0,
              prefill_policy: str = PREFILL_POLICY) -> Cell:
-        prefills = [Engine(free_port(), tmp_path, f"prefill{i}", prefill_rate, shutdown_timeout) for i in range(2)]
-        decode = Engine(free_port(), tmp_path, "decode", 2_000_000.0)
-        cell = Cell(prefills, decode, free_port(), prefill_policy)
+        prefills = [Engine(free_loopback_port(), tmp_path, f"prefill{i}", prefill_rate, shutdown_timeout)
+                    for i in range(2)]
+        decode = Engine(free_loopback_port(), tmp_path, "decode", 2_000_000.0)
+        cell = Cell(prefills, decode, free_loopback_port(), prefill_policy)
         cells.append(cell)
         for engine in [*prefills, decode]:
             engine.start()
@@ -463,7 +458,7 @@ class KubeApiStub:
         self.events: list[tuple[int, str, dict[str, object]]] = []
         self.requests: list[tuple[str, str, dict[str, str]]] = []
         self.rv = 1
-        self.port = free_port()
+        self.port = free_loopback_port()
         self._loop = asyncio.new_event_loop()
         self._changed: asyncio.Condition | None = None
         self._runner: aiohttp.web.AppRunner | None = None
@@ -582,8 +577,8 @@ class ChartRouterPod:
 
         pod = by(render_cell(*values), "Deployment", "glm53-pd-proxy")["spec"]["template"]["spec"]
         self.commands = {c["name"]: c["command"] for c in pod["containers"]}
-        self.port = free_port()
-        self.retry_port = free_port()
+        self.port = free_loopback_port()
+        self.retry_port = free_loopback_port()
         self.tmp_path = tmp_path
         self.env = {**os.environ, "KUBECONFIG": str(api.kubeconfig(tmp_path / "kubeconfig"))}
         self.env.pop("KUBERNETES_SERVICE_HOST", None)
@@ -596,7 +591,7 @@ class ChartRouterPod:
 
     def _overrides(self, port: int) -> dict[str, str]:
         return {"--host": "127.0.0.1", "--port": str(port), "--service-discovery-port": str(self.engine_port),
-                "--prometheus-host": "127.0.0.1", "--prometheus-port": str(free_port())}
+                "--prometheus-host": "127.0.0.1", "--prometheus-port": str(free_loopback_port())}
 
     def start(self) -> ChartRouterPod:
         if "prefill-retry" in self.commands:
@@ -645,7 +640,7 @@ def running(engines: dict[str, Engine], api: KubeApiStub, routers: ChartRouterPo
 
 def test_chart_router_follows_the_pod_watch_and_a_planned_restart_costs_no_request(tmp_path: Path) -> None:
     # The chart's router pod as shipped (the P/D router and the prefill-retry router beside it).
-    engine_port = free_port()
+    engine_port = free_loopback_port()
     engines = {name: Engine(engine_port, tmp_path, name, 400.0, 30.0, host=f"127.0.0.{2 + i}")
                for i, name in enumerate(["prefill-0", "prefill-1", "decode-0", "prefill-2", "other-cell-prefill"])}
     # The pod deleted below prefills a prompt in about 1.2 s, longer than its preStop sleep
@@ -723,7 +718,7 @@ def test_chart_router_pod_retries_a_killed_prefill_on_another_pod(tmp_path: Path
     # request fails: the prefills the dead pod held and those sent to it before its circuit opened
     # are retried on the survivor. The P/D router alone (prefillRetry.enabled=false) is the control:
     # it sends a prefill once, so the requests routed to the dead pod until the next probe fail.
-    engine_port = free_port()
+    engine_port = free_loopback_port()
     # Slow prefills (about 0.15 s each, FIFO) so the victim holds a queue when it dies.
     engines = chart_cell_engines(tmp_path, engine_port, 800.0)
     api = KubeApiStub("vllm").start()
@@ -780,7 +775,7 @@ def test_chart_router_pod_retries_a_killed_prefill_on_another_pod(tmp_path: Path
 def test_chart_router_pod_sends_a_shared_prefix_to_one_prefill_pod(tmp_path: Path) -> None:
     # With the prefill-retry router, prefix affinity is its prefillPolicy (cache_aware) in regular
     # mode: the P/D router in front of it has one prefill worker and does not choose.
-    engine_port = free_port()
+    engine_port = free_loopback_port()
     engines = chart_cell_engines(tmp_path, engine_port, 2_000.0)
     api = KubeApiStub("vllm").start()
     routers = ChartRouterPod(tmp_path, api, engine_port)

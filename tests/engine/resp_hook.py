@@ -24,7 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import BinaryIO
 
-from tests.support.valkey import ValkeyServer, free_loopback_port
+from tests.support.ports import free_loopback_port
+from tests.support.valkey import ValkeyServer
 
 
 def read_reply(stream: BinaryIO) -> bytes:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from tests.engine.resp_hook import ExistsHookProxy
 from tests.support import cpu_overlay
-from tests.support.engine import EngineError, EngineServer, clear_l1, free_port_block, stable_port
+from tests.support.engine import EngineError, EngineServer, clear_l1, stable_port
+from tests.support.ports import free_port_block
 from tests.support.valkey import ValkeyServer, start_valkey
 
 

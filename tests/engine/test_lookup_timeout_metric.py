@@ -31,7 +31,8 @@ import pytest
 from tests.engine.conftest import Engines
 from tests.engine.prompts import PROMPT, STORED
 from tests.support import cpu_overlay
-from tests.support.engine import clear_l1, free_port_block
+from tests.support.engine import clear_l1
+from tests.support.ports import free_port_block
 from tests.support.valkey import start_valkey
 
 REQUEST_TIMEOUT_S = 60.0

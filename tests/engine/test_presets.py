@@ -19,7 +19,8 @@ from tests.engine.conftest import Engines
 from tests.engine.prompts import PROMPT, same_output
 from tests.support import cpu_overlay
 from tests.support import engine as engine_support
-from tests.support.engine import EngineError, free_port_block, observe
+from tests.support.engine import EngineError, observe
+from tests.support.ports import free_port_block
 from tests.support.valkey import ValkeyServer, start_valkey
 
 # Three starts share two cores: each is bounded at 1.5 times one start's bound.

@@ -26,7 +26,8 @@ import pytest
 
 from tests.engine.prompts import CHUNKS, PROMPT, STORED, same_output
 from tests.support import cpu_overlay
-from tests.support.engine import free_port_block, observe
+from tests.support.engine import observe
+from tests.support.ports import free_port_block
 from tests.support.valkey import start_valkey
 
 RANKS = 2

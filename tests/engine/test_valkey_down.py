@@ -22,7 +22,8 @@ import pytest
 from tests.engine.conftest import Engines
 from tests.engine.prompts import CHUNKS, OTHER_PROMPT, PROMPT, STORED
 from tests.support import cpu_overlay
-from tests.support.engine import free_port_block, observe
+from tests.support.engine import observe
+from tests.support.ports import free_port_block
 from tests.support.valkey import start_valkey
 
 REQUEST_TIMEOUT_S = 120.0  # a bound on a hang: above the shared engine's lookup_timeout_ms

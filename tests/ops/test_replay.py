@@ -21,7 +21,7 @@ from opstools.completions import stream_completion
 from opstools.records import RequestRecord
 
 from tests.ops.fake_engine import FakeEngine
-from tests.support.valkey import free_loopback_port
+from tests.support.ports import free_loopback_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"

@@ -19,7 +19,7 @@ from opstools import needle_cli, replay_cli
 
 from tests.ops.fake_engine import FakeEngine
 from tests.ops.toy_proxy import start_toy_proxy, toy_proxy_source
-from tests.support.valkey import free_loopback_port
+from tests.support.ports import free_loopback_port
 
 
 @pytest.fixture

