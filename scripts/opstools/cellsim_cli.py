@@ -11,13 +11,11 @@ from kvsizing import geometry
 from . import cellsim_defaults as defaults
 from . import gates as gate_rules
 from .common import (
-    EXIT_ERROR,
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_OK,
     HelpFormatter,
     OpsError,
-    fail,
+    dispatch,
     fraction,
     positive_float,
     positive_int,
@@ -346,16 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        if args.command == "run":
-            return command_run(args)
-        if args.command == "sweep":
-            return command_sweep(args)
-        return command_writeup(args)
-    except OpsError as exc:
-        return fail(str(exc), EXIT_ERROR, TOOL)
-    except KeyboardInterrupt:
-        return fail("interrupted", EXIT_INTERRUPTED, TOOL)
+    return dispatch(TOOL, args, {"run": command_run, "sweep": command_sweep, "writeup": command_writeup})
 
 
 if __name__ == "__main__":  # pragma: no cover

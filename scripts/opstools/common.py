@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -77,6 +78,21 @@ def fail(message: str, code: int = EXIT_ERROR, tool: str = "") -> int:
     prefix = f"{tool}: " if tool else ""
     print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
     return code
+
+
+def run_guarded(tool: str, action: Callable[[], int], interrupted: str = "interrupted") -> int:
+    """Run one command of an ops tool: an OpsError or a Ctrl-C ends it with a one-line error and its exit code."""
+    try:
+        return action()
+    except OpsError as exc:
+        return fail(str(exc), EXIT_ERROR, tool)
+    except KeyboardInterrupt:
+        return fail(interrupted, EXIT_INTERRUPTED, tool)
+
+
+def dispatch(tool: str, args: argparse.Namespace, commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> int:
+    """Run the subcommand ``args.command`` names, guarded as run_guarded does."""
+    return run_guarded(tool, lambda: commands[args.command](args))
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

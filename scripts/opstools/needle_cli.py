@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import (
-    EXIT_ERROR,
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_OK,
     HelpFormatter,
     OpsError,
@@ -23,6 +21,7 @@ from .common import (
     positive_float,
     positive_int,
     prepare_out_dir,
+    run_guarded,
 )
 from .needle import DEFAULT_LENGTHS, FittedPrompt, answer_has_code, fit_prompt, make_specs
 
@@ -342,23 +341,25 @@ async def _run(args: argparse.Namespace, out: Path, phases: list[str], answers: 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return run_guarded(TOOL, lambda: _ask_and_report(args), "interrupted; answers so far are in results.csv")
+
+
+def _ask_and_report(args: argparse.Namespace) -> int:
+    phases = parse_phases(args.phases, args.skip_restart)
+    out = prepare_out_dir(args.out, TOOL)
+    answers: list[Answer] = []
     try:
-        phases = parse_phases(args.phases, args.skip_restart)
-        out = prepare_out_dir(args.out, TOOL)
-        answers: list[Answer] = []
-        try:
-            asyncio.run(_run(args, out, phases, answers))
-        finally:
-            _write_results(out, answers)
-    except OpsError as exc:
-        return fail(str(exc), EXIT_ERROR, TOOL)
-    except KeyboardInterrupt:
-        return fail("interrupted; answers so far are in results.csv", EXIT_INTERRUPTED, TOOL)
+        asyncio.run(_run(args, out, phases, answers))
+    finally:
+        _write_results(out, answers)
     if args.dry_run:
         print(f"wrote {out / 'prompts.jsonl'} ({len(args.lengths)} lengths); no completion sent (--dry-run)")
         return EXIT_OK
-    missing = [a for a in answers if not a.found]
-    unserved = [a for a in answers if a.found and a.served is False]
+    _print_answers(answers, phases, out)
+    return _verdict(answers)
+
+
+def _print_answers(answers: list[Answer], phases: list[str], out: Path) -> None:
     print(f"{'tokens':>8} " + " ".join(f"{p:>10}" for p in phases))
     by_length: dict[int, dict[str, Answer]] = {}
     for answer in answers:
@@ -366,18 +367,24 @@ def main(argv: list[str] | None = None) -> int:
     for length, row in by_length.items():
         cells = [_cell(row[p]) if p in row else "-" for p in phases]
         print(f"{length:>8} " + " ".join(f"{c:>10}" for c in cells))
-    print(f"{len(answers) - len(missing)} of {len(answers)} answers found; written: {out}/results.csv, "
-          "prompts.jsonl, summary.json")
-    for answer in unserved:
-        print(f"{answer.prompt.spec.target_tokens}/{answer.phase}: {answer.evidence}")
-    if missing or unserved:
-        problems = []
-        if missing:
-            problems.append(f"{len(missing)} answer(s) without the code: "
-                            + ", ".join(f"{a.prompt.spec.target_tokens}/{a.phase}" for a in missing))
-        if unserved:
-            problems.append(f"{len(unserved)} cached-phase answer(s) not served from cache: "
-                            + ", ".join(f"{a.prompt.spec.target_tokens}/{a.phase}" for a in unserved))
+    found = sum(a.found for a in answers)
+    print(f"{found} of {len(answers)} answers found; written: {out}/results.csv, prompts.jsonl, summary.json")
+    for answer in answers:
+        if answer.found and answer.served is False:
+            print(f"{answer.prompt.spec.target_tokens}/{answer.phase}: {answer.evidence}")
+
+
+def _verdict(answers: list[Answer]) -> int:
+    missing = [a for a in answers if not a.found]
+    unserved = [a for a in answers if a.found and a.served is False]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} answer(s) without the code: "
+                        + ", ".join(f"{a.prompt.spec.target_tokens}/{a.phase}" for a in missing))
+    if unserved:
+        problems.append(f"{len(unserved)} cached-phase answer(s) not served from cache: "
+                        + ", ".join(f"{a.prompt.spec.target_tokens}/{a.phase}" for a in unserved))
+    if problems:
         return fail("; ".join(problems), EXIT_FAILED, TOOL)
     return EXIT_OK
 

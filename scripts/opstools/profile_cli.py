@@ -21,6 +21,7 @@ from .common import (
     EXIT_OK,
     HelpFormatter,
     OpsError,
+    dispatch,
     fail,
     positive_float,
     positive_int,
@@ -373,11 +374,4 @@ def command_pyspy(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        if args.command == "command":
-            return command_command(args)
-        if args.command == "window":
-            return command_window(args)
-        return command_pyspy(args)
-    except OpsError as exc:
-        return fail(str(exc), EXIT_ERROR, TOOL)
+    return dispatch(TOOL, args, {"command": command_command, "window": command_window, "pyspy": command_pyspy})

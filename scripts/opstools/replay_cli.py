@@ -20,6 +20,7 @@ from .common import (
     EXIT_OK,
     HelpFormatter,
     OpsError,
+    dispatch,
     fail,
     fraction,
     positive_float,
@@ -571,15 +572,5 @@ async def _measure_ratio(url: str, model: str | None) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        if args.command == "run":
-            return command_run(args)
-        if args.command == "sweep":
-            return command_sweep(args)
-        if args.command == "report":
-            return command_report(args)
-        return command_generate(args)
-    except OpsError as exc:
-        return fail(str(exc), EXIT_ERROR, TOOL)
-    except KeyboardInterrupt:
-        return fail("interrupted", EXIT_INTERRUPTED, TOOL)
+    commands = {"run": command_run, "sweep": command_sweep, "report": command_report, "generate": command_generate}
+    return dispatch(TOOL, args, commands)

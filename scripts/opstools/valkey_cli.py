@@ -12,15 +12,14 @@ from pathlib import Path
 from types import FrameType
 
 from .common import (
-    EXIT_ERROR,
     EXIT_FAILED,
     EXIT_OK,
     HelpFormatter,
-    OpsError,
     fail,
     positive_float,
     positive_int,
     prepare_out_dir,
+    run_guarded,
     utc_iso,
 )
 from .valkey_sampler import COMMANDS, PERCENTILES
@@ -210,10 +209,7 @@ def print_summary_tables(summaries: list) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except OpsError as exc:
-        return fail(str(exc), EXIT_ERROR, TOOL)
+    return run_guarded(TOOL, lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:
