@@ -344,7 +344,7 @@ def round_trip(
     )
     adapter = connector._lmcache_engine
     engine = adapter.lmcache_engine
-    result: dict[str, Any] = {"gpu_connector": type(engine.gpu_connector).__name__}
+    result: dict[str, Any] = {"gpu_connector": type(engine.gpu_connector).__name__, "layout": kv.layout.name}
     try:
         connector.register_kv_caches(kv.kv_caches)
     except Exception as exc:  # noqa: BLE001 - reported to the test
