@@ -164,6 +164,10 @@ class _RunState:
             self.abort_reason = reason
         self.abort_event.set()
 
+    def stop_by_signal(self, name: str) -> None:
+        self.interrupted = True
+        self.abort(f"stopped by {name}")
+
     def count_failure(self, kind: str | None) -> int:
         """Track failures of one kind in a row; returns how many in a row ``kind`` has now."""
         if kind is None:
@@ -181,6 +185,148 @@ async def _sleep_until(moment: float) -> None:
         await asyncio.sleep(delay)
 
 
+class _Replay:
+    """One run's shared parts: the session, the model, the clock, the counters and the client slots."""
+
+    def __init__(self, session: aiohttp.ClientSession, config: ReplayConfig, model: str, requests_total: int,
+                 progress: Callable[[str], None] | None) -> None:
+        self.session = session
+        self.config = config
+        self.model = model
+        self.progress = progress
+        self.state = _RunState(requests_total)
+        self.start = time.monotonic()
+        self.started_epoch = time.time()
+        self.slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+
+    async def run(self, requests: list[StreamRequest], records: list[RequestRecord]) -> None:
+        """Send every request by its own task; stop them all when the run aborts."""
+        loop = asyncio.get_running_loop()
+        installed = _install_signal_handlers(loop, self.state.stop_by_signal)
+        tasks = [asyncio.create_task(self.send_one(r, rec)) for r, rec in zip(requests, records)]
+        reporter = asyncio.create_task(self.report())
+        aborter = asyncio.create_task(self.state.abort_event.wait())
+        try:
+            await _all_done_or_aborted(tasks, aborter, self.state)
+        finally:
+            reporter.cancel()
+            aborter.cancel()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]  # a bug here, not a server fault
+
+    async def send_one(self, request: StreamRequest, record: RequestRecord) -> None:
+        await _sleep_until(self.start + request.offset_s - PREPARE_AHEAD_S)
+        if self.state.abort_event.is_set():
+            return
+        body = completion_body(request, self.model, self.config.extra_body)
+        await _sleep_until(self.start + request.offset_s)
+        if self.state.abort_event.is_set():
+            return
+        if self.slots is None:
+            await self.exchange(body, record)
+            return
+        await self.take_slot(self.slots, record)
+        try:
+            await self.exchange(body, record)
+        finally:
+            self.slots.release()
+
+    async def take_slot(self, slots: asyncio.Semaphore, record: RequestRecord) -> None:
+        """Wait for a free client slot; the wait is the request's client queue time."""
+        self.state.queued += 1
+        waiting_since = time.monotonic()
+        try:
+            await slots.acquire()
+        finally:
+            self.state.queued -= 1
+        record.client_queue_s = time.monotonic() - waiting_since
+
+    async def exchange(self, body: dict[str, Any], record: RequestRecord) -> None:
+        state = self.state
+        state.sent += 1
+        state.in_flight += 1
+        state.peak_in_flight = max(state.peak_in_flight, state.in_flight)
+        try:
+            await stream_completion(
+                self.session, self.config.completions_url, body, record, self.start, self.config.request_timeout_s
+            )
+        finally:
+            state.in_flight -= 1
+            state.done += 1
+        self.judge(record)
+
+    def judge(self, record: RequestRecord) -> None:
+        """Count the request's outcome and abort the run on a malformed stream or too many failures in a row."""
+        state, config = self.state, self.config
+        if not record.ok:
+            state.failed += 1
+        elif record.ttft_s is not None:
+            state.recent_ttft.append(record.ttft_s)
+        if record.status == MALFORMED:
+            state.abort(f"request {record.id}: {record.error}")
+        elif record.status == CONNECT_ERROR:
+            state.connect_errors_in_a_row += 1
+            if state.connect_errors_in_a_row >= config.abort_after_connect_errors:
+                state.abort(
+                    f"{state.connect_errors_in_a_row} connection failures in a row, "
+                    f"the endpoint stopped answering: {record.error}"
+                )
+            return
+        else:
+            state.connect_errors_in_a_row = 0
+        kind = failure_kind(record)
+        in_a_row = state.count_failure(kind)
+        if kind is not None and config.abort_after_errors is not None and in_a_row >= config.abort_after_errors:
+            state.abort(f"{in_a_row} requests in a row failed with {kind} (last: {record.error})"
+                        + _repeated_failure_hint(kind, config.completions_url))
+
+    async def report(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.progress_interval_s)
+            if self.progress is None:
+                continue
+            self.progress(self.progress_line())
+
+    def progress_line(self) -> str:
+        """The counters since the start and the TTFT of the requests done since the last line."""
+        state = self.state
+        recent = Distribution.of(state.recent_ttft)
+        state.recent_ttft = []
+        ttft = f"TTFT p50 {recent.p50:.2f} s over the last {recent.count}" if recent.count else "no TTFT yet"
+        queued = f"  queued {state.queued}" if self.slots is not None else ""
+        return (
+            f"[{time.monotonic() - self.start:7.1f} s] sent {state.sent}/{state.requests_total}"
+            f"  done {state.done}  in flight {state.in_flight}{queued}  failed {state.failed}  {ttft}"
+        )
+
+
+def _install_signal_handlers(loop: asyncio.AbstractEventLoop, on_signal: Callable[[str], None]) -> list[signal.Signals]:
+    """``on_signal(name)`` on SIGINT and SIGTERM where this thread can take them; the signals installed."""
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, on_signal, sig.name)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread (tests) or no signal support
+    return installed
+
+
+async def _all_done_or_aborted(tasks: list[asyncio.Task[None]], aborter: asyncio.Task[Any], state: _RunState) -> None:
+    """Wait for every send task, or, once the run aborts, cancel those left and wait for them to end."""
+    everything = asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.wait({everything, aborter}, return_when=asyncio.FIRST_COMPLETED)
+    if state.abort_event.is_set():
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    else:
+        await everything
+
+
 async def run_replay(
     requests: list[StreamRequest],
     config: ReplayConfig,
@@ -192,123 +338,13 @@ async def run_replay(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = await resolve_model(session, config.base_url, config.model, config.connect_timeout_s)
         records = [RequestRecord(id=r.id, offset_s=r.offset_s) for r in requests]
-        state = _RunState(len(requests))
-        loop = asyncio.get_running_loop()
-        start = time.monotonic()
-        started_epoch = time.time()
-
-        slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-
-        async def send_one(request: StreamRequest, record: RequestRecord) -> None:
-            await _sleep_until(start + request.offset_s - PREPARE_AHEAD_S)
-            if state.abort_event.is_set():
-                return
-            body = completion_body(request, model, config.extra_body)
-            await _sleep_until(start + request.offset_s)
-            if state.abort_event.is_set():
-                return
-            if slots is None:
-                await exchange(body, record)
-                return
-            state.queued += 1
-            waiting_since = time.monotonic()
-            try:
-                await slots.acquire()
-            finally:
-                state.queued -= 1
-            record.client_queue_s = time.monotonic() - waiting_since
-            try:
-                await exchange(body, record)
-            finally:
-                slots.release()
-
-        async def exchange(body: dict[str, Any], record: RequestRecord) -> None:
-            state.sent += 1
-            state.in_flight += 1
-            state.peak_in_flight = max(state.peak_in_flight, state.in_flight)
-            try:
-                await stream_completion(
-                    session, config.completions_url, body, record, start, config.request_timeout_s
-                )
-            finally:
-                state.in_flight -= 1
-                state.done += 1
-            judge(record)
-
-        def judge(record: RequestRecord) -> None:
-            if not record.ok:
-                state.failed += 1
-            elif record.ttft_s is not None:
-                state.recent_ttft.append(record.ttft_s)
-            if record.status == MALFORMED:
-                state.abort(f"request {record.id}: {record.error}")
-            elif record.status == CONNECT_ERROR:
-                state.connect_errors_in_a_row += 1
-                if state.connect_errors_in_a_row >= config.abort_after_connect_errors:
-                    state.abort(
-                        f"{state.connect_errors_in_a_row} connection failures in a row, "
-                        f"the endpoint stopped answering: {record.error}"
-                    )
-                return
-            else:
-                state.connect_errors_in_a_row = 0
-            kind = failure_kind(record)
-            in_a_row = state.count_failure(kind)
-            if kind is not None and config.abort_after_errors is not None and in_a_row >= config.abort_after_errors:
-                state.abort(f"{in_a_row} requests in a row failed with {kind} (last: {record.error})"
-                            + _repeated_failure_hint(kind, config.completions_url))
-
-        async def report() -> None:
-            while True:
-                await asyncio.sleep(config.progress_interval_s)
-                if progress is None:
-                    continue
-                recent = Distribution.of(state.recent_ttft)
-                state.recent_ttft = []
-                ttft = f"TTFT p50 {recent.p50:.2f} s over the last {recent.count}" if recent.count else "no TTFT yet"
-                queued = f"  queued {state.queued}" if slots is not None else ""
-                progress(
-                    f"[{time.monotonic() - start:7.1f} s] sent {state.sent}/{state.requests_total}"
-                    f"  done {state.done}  in flight {state.in_flight}{queued}  failed {state.failed}  {ttft}"
-                )
-
-        def on_signal(name: str) -> None:
-            state.interrupted = True
-            state.abort(f"stopped by {name}")
-
-        installed: list[signal.Signals] = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, on_signal, sig.name)
-                installed.append(sig)
-            except (NotImplementedError, RuntimeError, ValueError):
-                pass  # not the main thread (tests) or no signal support
-
-        tasks = [asyncio.create_task(send_one(r, rec)) for r, rec in zip(requests, records)]
-        reporter = asyncio.create_task(report())
-        aborter = asyncio.create_task(state.abort_event.wait())
-        try:
-            everything = asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.wait({everything, aborter}, return_when=asyncio.FIRST_COMPLETED)
-            if state.abort_event.is_set():
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-            else:
-                await everything
-        finally:
-            reporter.cancel()
-            aborter.cancel()
-            for sig in installed:
-                loop.remove_signal_handler(sig)
-        for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]  # a bug here, not a server fault
+        replay = _Replay(session, config, model, len(requests), progress)
+        await replay.run(requests, records)
         return ReplayResult(
             records=records,
             model=model,
-            started_epoch_s=started_epoch,
-            peak_in_flight=state.peak_in_flight,
-            abort_reason=state.abort_reason,
-            interrupted=state.interrupted,
+            started_epoch_s=replay.started_epoch,
+            peak_in_flight=replay.state.peak_in_flight,
+            abort_reason=replay.state.abort_reason,
+            interrupted=replay.state.interrupted,
         )
