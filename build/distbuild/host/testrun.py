@@ -269,6 +269,100 @@ def _log_tail(log: Path, lines: int = 80) -> str:
     return "\n".join(text[-lines:])
 
 
+def _left_out_what(variant: leaveout.LeftOut) -> str:
+    """What a variant leaves out, as its lines and problems name it."""
+    return f"the {variant.part} part of {variant.patch}" if variant.part else variant.patch
+
+
+def _variant_problems(variant: leaveout.LeftOut, outcome: Outcome) -> list[str]:
+    """One variant's problems: pytest could not run its proofs, it has none, or some did not fail for
+    their stated reason."""
+    what = _left_out_what(variant)
+    if outcome.returncode not in (0, 1, 5):
+        return [f"phase 3: pytest could not run the proofs of {what} (exit "
+                f"{outcome.returncode}; see its log below)"]
+    if outcome.returncode == 5 or not outcome.xfailed | outcome.failed:
+        marker = f"fixes({variant.patch!r}, part={variant.part!r})" if variant.part else f"fixes({variant.patch!r})"
+        return [f"phase 3: {what} has no proof (no test marked {marker})"]
+    if outcome.failed:
+        return [f"phase 3: {len(outcome.failed)} proof(s) of {what} did not fail for "
+                f"their stated reason without it: " + ", ".join(sorted(outcome.failed)[:5])]
+    return []
+
+
+def _leave_one_out_variants(repo: Path, tree: Path, series: list[str]) -> tuple[list[leaveout.LeftOut], list[str]]:
+    """Phase 3's variants (each patch, then each part) and the problems of the series' leave-out declarations."""
+    series_dir = repo / "patches" / "lmcache"
+    declared = leaveout.declared_dependents(series_dir)
+    variants = leaveout.left_out_variants(tree, series, declared)
+    variants += leaveout.part_variants(tree, series, leaveout.series_parts(repo / PARTS_DIR, series))
+    problems = leaveout.check_declarations(variants, declared, series_dir / leaveout.RULES_FILE)
+    return variants, problems
+
+
+@dataclass
+class _LeaveOneOut:
+    """Phase 3: its variants, what their proofs run with, and what they found."""
+    repo: Path
+    work: Path
+    python: Path
+    paths: list[str]
+    pytest_args: list[str]
+    extra_env: dict[str, str]
+    proof_files: dict[str, list[str]]
+    variants: list[leaveout.LeftOut]
+    problems: list[str]
+    total: Outcome = field(default_factory=Outcome)
+
+    def log(self, variant: leaveout.LeftOut) -> Path:
+        return self.work / "logs" / "leave-one-out" / f"{variant.stem}.log"
+
+    def run_variants(self, pool: concurrent.futures.Executor,
+                     build_site: Callable[[leaveout.LeftOut], Path]) -> None:
+        """Each variant's proofs into ``pool``, but for one with undeclared dependents; each is judged as it ends."""
+        pending: dict[concurrent.futures.Future, tuple[int, leaveout.LeftOut]] = {}
+        for number, variant in enumerate(self.variants, start=1):
+            if variant.undeclared:
+                print(f"phase 3/4: leave-one-out {number}/{len(self.variants)}, without {variant.name}: "
+                      f"not run (undeclared dependents)", flush=True)
+                continue
+            # Sites are built here, one at a time (a variant with compiled changes builds a wheel),
+            # while earlier variants' proofs run.
+            site = build_site(variant)
+            pending[pool.submit(self.run_variant, number, variant, site)] = (number, variant)
+        for future in concurrent.futures.as_completed(pending):
+            number, variant = pending[future]
+            outcome, seconds = future.result()
+            self.judge(number, variant, outcome, seconds)
+
+    def run_variant(self, number: int, variant: leaveout.LeftOut, site: Path) -> tuple[Outcome, float]:
+        """The variant's proofs against its site: their outcome and how long they took."""
+        env = {**_env(f"without:{variant.name}", self.work, {**self.extra_env, "PYTHONPATH": str(site)}),
+               "TMPDIR": _job_tmp(self.work, f"leave-one-out-{number}")}
+        files = self.proof_files.get(variant.name) or self.paths
+        t0 = time.monotonic()
+        junit = f"{variant.stem if variant.part else variant.patch}.xml"
+        outcome = run_pytest(self.python, [*files, "-m", "fixes", *self.pytest_args], self.repo,
+                             self.work / "test-results" / "leave-one-out" / junit, env,
+                             f"phase 3/4: without {variant.name}", log=self.log(variant))
+        return outcome, time.monotonic() - t0
+
+    def judge(self, number: int, variant: leaveout.LeftOut, outcome: Outcome, seconds: float) -> None:
+        """Print the variant's line (and its log's tail when it has a problem); add its problems and tests."""
+        label = f"phase 3/4: leave-one-out {number}/{len(self.variants)}, without {_left_out_what(variant)}"
+        if variant.dependents and not variant.part:
+            label += f" (and {', '.join(variant.dependents)}, which build on it)"
+        found = _variant_problems(variant, outcome)
+        log = self.log(variant)
+        print(f"{label}: {len(outcome.xfailed)} proof(s) failed for their stated reason, "
+              f"{len(outcome.failed)} did not, {seconds:.0f} s", flush=True)
+        if found:
+            print(f"--- {log} (last lines)\n{_log_tail(log)}\n---", flush=True)
+        self.problems.extend(found)
+        for name in ("passed", "failed", "skipped", "xfailed"):
+            getattr(self.total, name).update(getattr(outcome, name))
+
+
 def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: list[str],
                       build_site: Callable[[leaveout.LeftOut], Path], paths: list[str],
                       pytest_args: list[str], extra_env: dict[str, str],
@@ -283,70 +377,16 @@ def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: 
     With ``proof_files`` (the proof map phase 1 writes) a variant collects only the files
     that hold its patch's proofs instead of every test."""
     started = time.monotonic()
-    series_dir = repo / "patches" / "lmcache"
-    declared = leaveout.declared_dependents(series_dir)
-    variants = leaveout.left_out_variants(tree, series, declared)
-    variants += leaveout.part_variants(tree, series, leaveout.series_parts(repo / PARTS_DIR, series))
-    problems = leaveout.check_declarations(variants, declared, series_dir / leaveout.RULES_FILE)
-    proof_files = proof_files or {}
+    variants, problems = _leave_one_out_variants(repo, tree, series)
+    phase = _LeaveOneOut(repo, work, python, paths, pytest_args, extra_env, proof_files or {}, variants, problems)
     jobs = leave_one_out_jobs()
     print(f"\n=== phase 3/4: leave-one-out, {len(variants)} variants, {jobs} runs at a time "
           f"(logs: {work / 'logs' / 'leave-one-out'})", flush=True)
-    total = Outcome()
-
-    def run_variant(number: int, variant: leaveout.LeftOut, site: Path) -> tuple[Outcome, float]:
-        env = {**_env(f"without:{variant.name}", work, {**extra_env, "PYTHONPATH": str(site)}),
-               "TMPDIR": _job_tmp(work, f"leave-one-out-{number}")}
-        files = proof_files.get(variant.name) or paths
-        t0 = time.monotonic()
-        junit = f"{variant.stem if variant.part else variant.patch}.xml"
-        outcome = run_pytest(python, [*files, "-m", "fixes", *pytest_args], repo,
-                             work / "test-results" / "leave-one-out" / junit, env,
-                             f"phase 3/4: without {variant.name}",
-                             log=work / "logs" / "leave-one-out" / f"{variant.stem}.log")
-        return outcome, time.monotonic() - t0
-
-    def judge(number: int, variant: leaveout.LeftOut, outcome: Outcome, seconds: float) -> None:
-        what = f"the {variant.part} part of {variant.patch}" if variant.part else variant.patch
-        label = f"phase 3/4: leave-one-out {number}/{len(variants)}, without {what}"
-        if variant.dependents and not variant.part:
-            label += f" (and {', '.join(variant.dependents)}, which build on it)"
-        found: list[str] = []
-        if outcome.returncode not in (0, 1, 5):
-            found.append(f"phase 3: pytest could not run the proofs of {what} (exit "
-                         f"{outcome.returncode}; see its log below)")
-        elif outcome.returncode == 5 or not outcome.xfailed | outcome.failed:
-            marker = f"fixes({variant.patch!r}, part={variant.part!r})" if variant.part else f"fixes({variant.patch!r})"
-            found.append(f"phase 3: {what} has no proof (no test marked {marker})")
-        elif outcome.failed:
-            found.append(f"phase 3: {len(outcome.failed)} proof(s) of {what} did not fail for "
-                         f"their stated reason without it: " + ", ".join(sorted(outcome.failed)[:5]))
-        log = work / "logs" / "leave-one-out" / f"{variant.stem}.log"
-        print(f"{label}: {len(outcome.xfailed)} proof(s) failed for their stated reason, "
-              f"{len(outcome.failed)} did not, {seconds:.0f} s", flush=True)
-        if found:
-            print(f"--- {log} (last lines)\n{_log_tail(log)}\n---", flush=True)
-        problems.extend(found)
-        for name in ("passed", "failed", "skipped", "xfailed"):
-            getattr(total, name).update(getattr(outcome, name))
-
     with contextlib.ExitStack() as stack:
         if pool is None:
             pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(max_workers=jobs))
-        pending: dict[concurrent.futures.Future, tuple[int, leaveout.LeftOut]] = {}
-        for number, variant in enumerate(variants, start=1):
-            if variant.undeclared:
-                print(f"phase 3/4: leave-one-out {number}/{len(variants)}, without {variant.name}: "
-                      f"not run (undeclared dependents)", flush=True)
-                continue
-            # Sites are built here, one at a time (a variant with compiled changes builds a wheel),
-            # while earlier variants' proofs run.
-            site = build_site(variant)
-            pending[pool.submit(run_variant, number, variant, site)] = (number, variant)
-        for future in concurrent.futures.as_completed(pending):
-            number, variant = pending[future]
-            outcome, seconds = future.result()
-            judge(number, variant, outcome, seconds)
+        phase.run_variants(pool, build_site)
+    total = phase.total
     print(f"\nleave-one-out: {len(variants)} variants ({sum(bool(v.dependents) for v in variants)} with "
           f"dependents left out too, {sum(bool(v.part) for v in variants)} removing a part of a patch), "
           f"{len(total.xfailed)} proofs failed for their stated reason, "
@@ -462,121 +502,186 @@ def without_engine(paths: list[str], pytest_args: list[str]) -> tuple[list[str],
     return kept, [*pytest_args, f"--ignore={ENGINE_TESTS}"]
 
 
+@dataclass
+class _Phases:
+    """One ``make test``: what its phases run with, and what they found."""
+    repo: Path
+    work: Path
+    python: Path
+    tree: Path
+    envs: dict[str, dict[str, str]]
+    extra_env: dict[str, str]
+    paths: list[str]
+    pytest_args: list[str]
+    patched_env: dict[str, str]
+    pristine_env: dict[str, str]
+    problems: list[str]
+    results: dict[str, Outcome] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    peer_run: PeerRun | None = None
+
+    @property
+    def junit(self) -> Path:
+        return self.work / "test-results"
+
+    @property
+    def proof_map(self) -> Path:
+        return self.junit / "proof-map.json"
+
+    @property
+    def phase2_log(self) -> Path:
+        return self.work / "logs" / "phase-2-pristine-proofs.log"
+
+    def run_phase_1(self) -> None:
+        """Phase 1 collects every test; it writes which files hold each patch's proofs for phase 3."""
+        self.proof_map.unlink(missing_ok=True)
+        t0 = time.monotonic()
+        patched = run_pytest(self.python, [*self.paths, *self.pytest_args], self.repo, self.junit / "patched.xml",
+                             {**self.patched_env, "DIST_PROOF_MAP": str(self.proof_map)},
+                             "phase 1/4: project tests, patched LMCache")
+        self.results["patched"] = patched
+        self.seconds["1"] = time.monotonic() - t0
+        if patched.returncode != 0:
+            self.problems.append(f"phase 1: {len(patched.failed)} project test(s) failed on the patched tree"
+                                 + _names(patched.failed))
+
+    def start_peer_suite(self, peer: bool) -> concurrent.futures.Future[PeerRun] | None:
+        """Phase 4 in a thread of its own, beside phases 2 and 3: all of them mostly wait on servers and
+        timeouts. None when it does not run (its reason is a problem)."""
+        suite = read_list(self.repo / "tests" / "peer" / "suite.txt")
+        peer_future: concurrent.futures.Future[PeerRun] | None = None
+        peer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        if not peer:
+            self.problems.append("phase 4: skipped (--no-peer): a partial run")
+        elif not suite:
+            self.problems.append("phase 4: tests/peer/suite.txt is empty; the peer suite did not run")
+        else:
+            peer_future = peer_pool.submit(run_peer_suite, self.python, self.work, self.tree,
+                                           [*suite, *self.pytest_args], self.pristine_env, self.patched_env)
+        peer_pool.shutdown(wait=False)
+        return peer_future
+
+    def run_phases_2_and_3(
+        self, leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None
+    ) -> Outcome:
+        """Phases 2 and 3 share one pool: the pristine proofs run beside the first variants. Phase 2's outcome."""
+        jobs = leave_one_out_jobs()
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            print(f"\n=== phase 2/4: patch proofs, pristine LMCache (log: {self.phase2_log})", flush=True)
+            phase2 = pool.submit(run_pytest, self.python, [*self.paths, "-m", "fixes", *self.pytest_args], self.repo,
+                                 self.junit / "pristine.xml",
+                                 {**self.pristine_env, "TMPDIR": _job_tmp(self.work, "phase-2")},
+                                 "phase 2/4: patch proofs, pristine LMCache", self.phase2_log)
+            if leave_one_out is not None:
+                self.run_phase_3(pool, *leave_one_out)
+            else:
+                self.problems.append("phase 3: skipped (--no-leave-one-out): a partial run")
+            proofs = phase2.result()
+        self.seconds["2+3"] = time.monotonic() - t0
+        self.results["pristine"] = proofs
+        return proofs
+
+    def run_phase_3(self, pool: concurrent.futures.Executor, series: list[str],
+                    build_site: Callable[[leaveout.LeftOut], Path]) -> None:
+        # The engine proofs start vLLM from the engine venv with the variant's
+        # LMCache first on PYTHONPATH, as phase 2 does with the pristine build;
+        # the deployment's chaos proof renders the chart with Helm (and its router tests run vllm-router).
+        engine = {k: v for k, v in self.envs["patched"].items()
+                  if k in ("DIST_ENGINE_PYTHON", "DIST_HELM", "DIST_PROMTOOL", "DIST_VLLM_ROUTER")}
+        left, left_problems = run_leave_one_out(self.repo, self.work, self.python, self.tree, series, build_site,
+                                                self.paths, self.pytest_args, {**self.extra_env, **engine},
+                                                proof_files=read_proof_map(self.proof_map), pool=pool)
+        self.results["leave-one-out"] = left
+        self.problems.extend(left_problems)
+
+    def judge_phase_2(self, proofs: Outcome) -> None:
+        """Print phase 2's line and its log's end (all of it when a proof did not fail on pristine)."""
+        failed_phase2 = proofs.returncode not in (0, 5)
+        print(f"\n=== phase 2/4 (ran beside phase 3): {len(proofs.xfailed)} proofs failed on pristine as they must, "
+              f"{len(proofs.failed)} did not; {'its log' if failed_phase2 else 'the end of its log'}:\n"
+              f"{_log_tail(self.phase2_log, 200 if failed_phase2 else 4)}", flush=True)
+        if failed_phase2:
+            self.problems.append(f"phase 2: {len(proofs.failed)} proof(s) did not fail on the pristine tree "
+                                 "(strict xfail)" + _names(proofs.failed))
+
+    def take_peer_run(self, run: PeerRun) -> None:
+        """Phase 4's outcomes into the results, its problems judged."""
+        self.seconds["4"] = run.seconds
+        self.results["peer"], self.results["peer-pristine"] = run.patched, run.pristine
+        self.problems.extend(judge_peer(run, self.work))
+        self.peer_run = run
+
+    def totals(self) -> tuple[int, int, int]:
+        """Passed, failed and skipped over every phase; a proof that failed as it must counts as passed."""
+        results, peer_run = self.results, self.peer_run
+        proofs = results["pristine"]
+        left = results.get("leave-one-out", Outcome())
+        added = peer_run.added if peer_run else []
+        passed = (sum(len(o.passed) for o in results.values()) + len(proofs.xfailed) + len(left.xfailed))
+        # A peer test that fails on both builds is upstream's, not ours: it is
+        # reported, and only regressions against pristine count as failures.
+        failed = (len(results["patched"].failed) + len(proofs.failed) + len(left.failed)
+                  + len(peer_run.regressed() if peer_run else ()) + len(added_failed(results.get("peer"), added)))
+        skipped = sum(len(o.skipped) for o in results.values())
+        return passed, failed, skipped
+
+    def print_summary(self, started: float) -> None:
+        """Each phase's counts and minutes, the slowest tests, every problem, then the closing line."""
+        results = self.results
+        passed, failed, skipped = self.totals()
+        proofs = results["pristine"]
+        left = results.get("leave-one-out", Outcome())
+        timed = ", ".join(f"phase {n} {t / 60:.1f} min" + (" beside 2+3" if n == "4" else "")
+                          for n, t in self.seconds.items())
+        print(f"\nsummary ({timed}; {(time.monotonic() - started) / 60:.1f} min in all):")
+        print(f"  phase 1 project tests (patched): {len(results['patched'].passed)} passed, "
+              f"{len(results['patched'].failed)} failed, {len(results['patched'].skipped)} skipped")
+        print(f"  phase 2 patch proofs (pristine): {len(proofs.xfailed)} failed as they must, "
+              f"{len(proofs.failed)} passed on pristine (must not)")
+        if "leave-one-out" in results:
+            print(f"  phase 3 leave-one-out: {len(left.xfailed)} proofs failed without their patch for their "
+                  f"stated reason, {len(left.failed)} did not")
+        if self.peer_run is not None:
+            print(self.peer_summary(self.peer_run))
+        print(slowest_tests(results))
+        for problem in self.problems:
+            print(f"FAILED {problem}")
+        print(f"test: {passed} passed, {failed} failed, {skipped} skipped")
+
+    def peer_summary(self, peer_run: PeerRun) -> str:
+        p = self.results["peer"]
+        b = self.results["peer-pristine"]
+        return (f"  phase 4 LMCache CPU suite: pristine {len(b.passed)} passed, {len(b.failed)} failed, "
+                f"{len(b.skipped)} skipped; patched {len(p.passed)} passed, {len(p.failed)} failed, "
+                f"{len(p.skipped)} skipped; {len(peer_run.regressed())} regression(s), "
+                f"{len(added_failed(p, peer_run.added))} failure(s) in the series' own test files"
+                + (f"; load-sensitive (passed every rerun alone){_names(peer_run.load_sensitive())}"
+                   if peer_run.load_sensitive() else ""))
+
+
 def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]], tree: Path,
             pytest_args: list[str], extra_env: dict[str, str] | None = None,
             paths: list[str] | None = None, peer: bool = True,
             leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None = None,
             engine: bool = True) -> int:
     """The four phases; prints one closing 'N passed, N failed' line."""
-    junit = work / "test-results"
-    results: dict[str, Outcome] = {}
     problems: list[str] = []
     paths = paths or ["tests"]
     if not engine:
         paths, pytest_args = without_engine(paths, pytest_args)
         problems.append(f"engine scenarios: skipped (--no-engine, {ENGINE_TESTS} ignored): a partial run")
-
-    patched_env = _env("patched", work, {**(extra_env or {}), **envs["patched"]})
-    pristine_env = _env("pristine", work, {**(extra_env or {}), **envs["pristine"]})
-    paths = paths or ["tests"]
-    pytest_args = [a for a in pytest_args if a != "--"]
-    seconds: dict[str, float] = {}
+    extra_env = extra_env or {}
+    patched_env = _env("patched", work, {**extra_env, **envs["patched"]})
+    pristine_env = _env("pristine", work, {**extra_env, **envs["pristine"]})
+    phases = _Phases(repo, work, python, tree, envs, extra_env, paths, [a for a in pytest_args if a != "--"],
+                     patched_env, pristine_env, problems)
     started = time.monotonic()
-    # Phase 1 collects every test; it writes which files hold each patch's proofs for phase 3.
-    proof_map = junit / "proof-map.json"
-    proof_map.unlink(missing_ok=True)
-    t0 = time.monotonic()
-    results["patched"] = run_pytest(python, [*paths, *pytest_args], repo, junit / "patched.xml",
-                                    {**patched_env, "DIST_PROOF_MAP": str(proof_map)},
-                                    "phase 1/4: project tests, patched LMCache")
-    seconds["1"] = time.monotonic() - t0
-    if results["patched"].returncode != 0:
-        problems.append(f"phase 1: {len(results['patched'].failed)} project test(s) failed on the patched tree"
-                        + _names(results["patched"].failed))
-
-    # Phase 4 runs beside phases 2 and 3: all of them mostly wait on servers and timeouts.
-    suite = read_list(repo / "tests" / "peer" / "suite.txt")
-    added: list[str] = []
-    peer_future: concurrent.futures.Future[PeerRun] | None = None
-    peer_run: PeerRun | None = None
-    peer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    if not peer:
-        problems.append("phase 4: skipped (--no-peer): a partial run")
-    elif not suite:
-        problems.append("phase 4: tests/peer/suite.txt is empty; the peer suite did not run")
-    else:
-        peer_future = peer_pool.submit(run_peer_suite, python, work, tree, [*suite, *pytest_args],
-                                       pristine_env, patched_env)
-    peer_pool.shutdown(wait=False)
-
-    # Phases 2 and 3 share one pool: the pristine proofs run beside the first variants.
-    jobs = leave_one_out_jobs()
-    phase2_log = work / "logs" / "phase-2-pristine-proofs.log"
-    t0 = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        print(f"\n=== phase 2/4: patch proofs, pristine LMCache (log: {phase2_log})", flush=True)
-        phase2 = pool.submit(run_pytest, python, [*paths, "-m", "fixes", *pytest_args], repo, junit / "pristine.xml",
-                             {**pristine_env, "TMPDIR": _job_tmp(work, "phase-2")},
-                             "phase 2/4: patch proofs, pristine LMCache", phase2_log)
-        if leave_one_out is not None:
-            series, build_site = leave_one_out
-            # The engine proofs start vLLM from the engine venv with the variant's
-            # LMCache first on PYTHONPATH, as phase 2 does with the pristine build;
-            # the deployment's chaos proof renders the chart with Helm (and its router tests run vllm-router).
-            engine = {k: v for k, v in envs["patched"].items()
-                      if k in ("DIST_ENGINE_PYTHON", "DIST_HELM", "DIST_PROMTOOL", "DIST_VLLM_ROUTER")}
-            left, left_problems = run_leave_one_out(repo, work, python, tree, series, build_site, paths,
-                                                    pytest_args, {**(extra_env or {}), **engine},
-                                                    proof_files=read_proof_map(proof_map), pool=pool)
-            results["leave-one-out"] = left
-            problems.extend(left_problems)
-        else:
-            problems.append("phase 3: skipped (--no-leave-one-out): a partial run")
-        proofs = phase2.result()
-    seconds["2+3"] = time.monotonic() - t0
-    results["pristine"] = proofs
-    failed_phase2 = proofs.returncode not in (0, 5)
-    print(f"\n=== phase 2/4 (ran beside phase 3): {len(proofs.xfailed)} proofs failed on pristine as they must, "
-          f"{len(proofs.failed)} did not; {'its log' if failed_phase2 else 'the end of its log'}:\n"
-          f"{_log_tail(phase2_log, 200 if failed_phase2 else 4)}", flush=True)
-    if failed_phase2:
-        problems.append(f"phase 2: {len(proofs.failed)} proof(s) did not fail on the pristine tree (strict xfail)"
-                        + _names(proofs.failed))
-
+    phases.run_phase_1()
+    peer_future = phases.start_peer_suite(peer)
+    proofs = phases.run_phases_2_and_3(leave_one_out)
+    phases.judge_phase_2(proofs)
     if peer_future is not None:
-        run = peer_future.result()
-        seconds["4"] = run.seconds
-        results["peer"], results["peer-pristine"], added = run.patched, run.pristine, run.added
-        problems.extend(judge_peer(run, work))
-        peer_run = run
-
-    left = results.get("leave-one-out", Outcome())
-    passed = (sum(len(o.passed) for o in results.values()) + len(proofs.xfailed) + len(left.xfailed))
-    # A peer test that fails on both builds is upstream's, not ours: it is
-    # reported, and only regressions against pristine count as failures.
-    failed = (len(results["patched"].failed) + len(proofs.failed) + len(left.failed)
-              + len(peer_run.regressed() if peer_run else ()) + len(added_failed(results.get("peer"), added)))
-    skipped = sum(len(o.skipped) for o in results.values())
-    timed = ", ".join(f"phase {n} {t / 60:.1f} min" + (" beside 2+3" if n == "4" else "") for n, t in seconds.items())
-    print(f"\nsummary ({timed}; {(time.monotonic() - started) / 60:.1f} min in all):")
-    print(f"  phase 1 project tests (patched): {len(results['patched'].passed)} passed, "
-          f"{len(results['patched'].failed)} failed, {len(results['patched'].skipped)} skipped")
-    print(f"  phase 2 patch proofs (pristine): {len(proofs.xfailed)} failed as they must, "
-          f"{len(proofs.failed)} passed on pristine (must not)")
-    if "leave-one-out" in results:
-        print(f"  phase 3 leave-one-out: {len(left.xfailed)} proofs failed without their patch for their "
-              f"stated reason, {len(left.failed)} did not")
-    if "peer" in results:
-        p = results["peer"]
-        b = results["peer-pristine"]
-        print(f"  phase 4 LMCache CPU suite: pristine {len(b.passed)} passed, {len(b.failed)} failed, "
-              f"{len(b.skipped)} skipped; patched {len(p.passed)} passed, {len(p.failed)} failed, "
-              f"{len(p.skipped)} skipped; {len(peer_run.regressed())} regression(s), "
-              f"{len(added_failed(p, added))} failure(s) in the series' own test files"
-              + (f"; load-sensitive (passed every rerun alone){_names(peer_run.load_sensitive())}"
-                 if peer_run.load_sensitive() else ""))
-    print(slowest_tests(results))
-    for problem in problems:
-        print(f"FAILED {problem}")
-    print(f"test: {passed} passed, {failed} failed, {skipped} skipped")
-    return 1 if problems else 0
+        phases.take_peer_run(peer_future.result())
+    phases.print_summary(started)
+    return 1 if phases.problems else 0
