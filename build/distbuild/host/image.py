@@ -314,97 +314,153 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print,
         builder.out = report_dir
     report: dict = {"engine": engine.name, "tag": options.tag, "stages": builder.times}
     epoch = input_epoch(layout.repo, BUILD_INPUTS)
-    if options.base_image:
-        base_ref = options.base_image
-        base_name = options.base_image
-    else:
-        base_started = time.monotonic()
-        base_ref = baseimage.ensure_base(engine, layout.work / "image", log,
-                                         lock=layout.repo / "build" / "lock" / "debian.txt",
-                                         epoch=input_epoch(layout.repo, BASE_INPUTS))
-        base_name = baseimage.TAG
-        report["base_seconds"] = round(time.monotonic() - base_started, 1)
+    base_ref, base_name = _base_image(builder, report)
     report["base"] = base_ref
     report["source_date_epoch"] = epoch
     args = {"BASE_IMAGE": base_ref, "MAX_JOBS": str(options.max_jobs), "SOURCE_DATE_EPOCH": str(epoch),
             **options.extra_args}
     log(f"image    SOURCE_DATE_EPOCH={epoch} (last commit touching the build inputs), base {base_name} {base_ref[:12]}")
-    labels_mod = _imagectl()
+    _build_stages(builder, stages, args, base_ref, base_name, staged, report)
+    final = options.tag if options.target == "runtime" else STAGE_TAG.format(stage=options.target)
+    report["image"] = final
+    if options.target == "runtime":
+        _check_runtime_image(builder, final, report, started)
+    _write_report(builder.out, report, started)
+    log(f"image    {final} ready in {time.monotonic() - started:.0f} s; report: {builder.out / 'report.json'}")
+    return 0
+
+
+def _base_image(builder: Builder, report: dict) -> tuple[str, str]:
+    """The base's reference and the name the labels give it: ``--base-image``, else the debootstrap base
+    (built when missing, its time in the report)."""
+    options, layout = builder.options, builder.layout
+    if options.base_image:
+        return options.base_image, options.base_image
+    base_started = time.monotonic()
+    base_ref = baseimage.ensure_base(builder.engine, layout.work / "image", builder.log,
+                                     lock=layout.repo / "build" / "lock" / "debian.txt",
+                                     epoch=input_epoch(layout.repo, BASE_INPUTS))
+    report["base_seconds"] = round(time.monotonic() - base_started, 1)
+    return base_ref, baseimage.TAG
+
+
+def _build_stages(builder: Builder, stages: list[str], args: dict[str, str], base_ref: str, base_name: str,
+                  staged, report: dict) -> None:
+    """Every stage in order. The sources and flashinfer-wheel stages are checked once built: what they
+    wrote (the trees' manifest, FlashInfer's AOT status) labels the runtime stage."""
     manifest: dict | None = None
     aot: dict | None = None
     for stage in stages:
         if stage == "runtime":
             assert manifest is not None and aot is not None
-            runtime_args = {**args, **labels_mod.build_args(manifest, aot.get("status", "unknown")),
-                            "FLASHINFER_CUBIN_DIR": aot.get("cubin_dir", ""),
-                            "VLLM_HAS_FLASHINFER_CUBIN": "1" if aot.get("status") == "built" else "0",
-                            **provenance(layout.repo),
-                            "BASE_NAME": base_name, "BASE_DIGEST": baseimage.digest(engine, base_ref) or "unknown",
-                            "IMAGE_VERSION": options.tag.rsplit(":", 1)[-1]}
+            runtime_args = _runtime_args(builder, args, manifest, aot, base_ref, base_name)
             report["labels_args"] = {k: runtime_args[k] for k in ("IMAGE_REVISION", "IMAGE_CREATED", "IMAGE_SOURCE",
                                                                   "BASE_NAME", "BASE_DIGEST")}
-            builder.build_stage(stage, runtime_args, tag=options.tag)
-        else:
-            tag = builder.build_stage(stage, args)
-            if stage == "sources":
-                if options.release:
-                    _check_release_pins(builder, tag, staged)
-                manifest = builder.read_json(tag, "/work/trees/manifest.json")
-                # The checker is the repository's (mounted read-only), so editing it never rebuilds the stage.
-                check = builder.run(tag, ["-m", "imagectl.selftest", "--stage", "sources"],
-                                    env={"PYTHONPATH": "/selftest"}, entrypoint="python3",
-                                    volumes={layout.repo / "image": "/selftest"})
-                print(check.stdout + check.stderr, end="")
-                report["sources_selftest"] = check.stdout
-                if check.returncode != 0:
-                    raise DistBuildError("the sources stage's self-test failed (above)")
-            if stage == "flashinfer-wheel":
-                aot = builder.read_json(tag, "/out/flashinfer-aot.json")
-                if aot.get("status") != "built":
-                    log(f"image    NOTE: FlashInfer {aot.get('module')} was NOT compiled ahead of time: "
-                        f"{aot.get('reason')}")
-                    log(f"image    NOTE: {aot.get('consequence')}")
-                    if options.release:
-                        raise DistBuildError(f"RELEASE=1: the flashinfer-wheel stage compiled no FlashInfer module "
-                                             f"({aot.get('reason')}); missing: {', '.join(aot.get('missing', [])[:5])}")
-    final = options.tag if options.target == "runtime" else STAGE_TAG.format(stage=options.target)
-    report["image"] = final
-    if options.target == "runtime":
-        inside = builder.read_json(final, "/opt/glm53/manifest.json")
-        wrong = labels_mod.mismatches(builder.labels(final), inside,
-                                      inside["outputs"]["flashinfer-fused-moe-aot"]["status"])
-        if wrong:
-            raise DistBuildError("image labels disagree with its manifest: " + "; ".join(wrong))
-        log("image    labels agree with /opt/glm53/manifest.json")
-        report["size_bytes"] = builder.size(final)
-        if report["size_bytes"]:
-            log(f"image    {final}: {report['size_bytes'] / 1e9:.2f} GB")
-        report["image_id"] = baseimage.image_id(engine, final)
-        report["digest"] = baseimage.digest(engine, final)
-        log(f"image    {final} digest {report['digest']} (image id sha256:{report['image_id']})")
-        _write_report(builder.out, report, started)
-        if options.selftest:
-            result = builder.run(final, ["self-test"])
-            print(result.stdout, end="")
-            print(result.stderr, end="", file=sys.stderr)
-            report["selftest"] = result.stdout
-            report["selftest_rc"] = result.returncode
-            if result.returncode != 0:
-                _write_report(builder.out, report, started)
-                raise DistBuildError("the image's self-test failed (above)")
-        if options.audit:
-            report["audit"] = audit_image(layout, engine, final, options.audit_target, log)
-            if not report["audit"]["passed"]:
-                _write_report(builder.out, report, started)
-                raise DistBuildError(f"the arch audit failed for {options.audit_target} "
-                                     "(above; JSON in work/image/audit.json)")
-        if options.layers:
-            from . import layertable
-            report["release_digest"], report["layers"] = layertable.release(engine, final, builder.out / "oci", log)
-            log(layertable.format_table(report["layers"]))
+            builder.build_stage(stage, runtime_args, tag=builder.options.tag)
+            continue
+        tag = builder.build_stage(stage, args)
+        if stage == "sources":
+            manifest = _check_sources_stage(builder, tag, staged, report)
+        if stage == "flashinfer-wheel":
+            aot = _flashinfer_aot_status(builder, tag)
+
+
+def _runtime_args(builder: Builder, args: dict[str, str], manifest: dict, aot: dict, base_ref: str,
+                  base_name: str) -> dict[str, str]:
+    """The runtime stage's build args: the provenance labels, FlashInfer's AOT status and the base's digest."""
+    return {**args, **_imagectl().build_args(manifest, aot.get("status", "unknown")),
+            "FLASHINFER_CUBIN_DIR": aot.get("cubin_dir", ""),
+            "VLLM_HAS_FLASHINFER_CUBIN": "1" if aot.get("status") == "built" else "0",
+            **provenance(builder.layout.repo),
+            "BASE_NAME": base_name, "BASE_DIGEST": baseimage.digest(builder.engine, base_ref) or "unknown",
+            "IMAGE_VERSION": builder.options.tag.rsplit(":", 1)[-1]}
+
+
+def _check_sources_stage(builder: Builder, tag: str, staged, report: dict) -> dict:
+    """A release's artifact pins, then the sources stage's self-test; the trees' manifest the stage wrote."""
+    if builder.options.release:
+        _check_release_pins(builder, tag, staged)
+    manifest = builder.read_json(tag, "/work/trees/manifest.json")
+    # The checker is the repository's (mounted read-only), so editing it never rebuilds the stage.
+    check = builder.run(tag, ["-m", "imagectl.selftest", "--stage", "sources"],
+                        env={"PYTHONPATH": "/selftest"}, entrypoint="python3",
+                        volumes={builder.layout.repo / "image": "/selftest"})
+    print(check.stdout + check.stderr, end="")
+    report["sources_selftest"] = check.stdout
+    if check.returncode != 0:
+        raise DistBuildError("the sources stage's self-test failed (above)")
+    return manifest
+
+
+def _flashinfer_aot_status(builder: Builder, tag: str) -> dict:
+    """What the flashinfer-wheel stage compiled ahead of time; a release stops when it compiled nothing."""
+    aot = builder.read_json(tag, "/out/flashinfer-aot.json")
+    if aot.get("status") != "built":
+        builder.log(f"image    NOTE: FlashInfer {aot.get('module')} was NOT compiled ahead of time: "
+                    f"{aot.get('reason')}")
+        builder.log(f"image    NOTE: {aot.get('consequence')}")
+        if builder.options.release:
+            raise DistBuildError(f"RELEASE=1: the flashinfer-wheel stage compiled no FlashInfer module "
+                                 f"({aot.get('reason')}); missing: {', '.join(aot.get('missing', [])[:5])}")
+    return aot
+
+
+def _check_runtime_image(builder: Builder, final: str, report: dict, started: float) -> None:
+    """The runtime image's labels, size and ids (the report is written then), its self-test, the arch
+    audit and the layer table, each as the options ask."""
+    _check_labels(builder, final)
+    _record_size_and_ids(builder, final, report)
     _write_report(builder.out, report, started)
-    log(f"image    {final} ready in {time.monotonic() - started:.0f} s; report: {builder.out / 'report.json'}")
-    return 0
+    if builder.options.selftest:
+        _run_selftest(builder, final, report, started)
+    if builder.options.audit:
+        _run_audit(builder, final, report, started)
+    if builder.options.layers:
+        from . import layertable
+        report["release_digest"], report["layers"] = layertable.release(builder.engine, final, builder.out / "oci",
+                                                                        builder.log)
+        builder.log(layertable.format_table(report["layers"]))
+
+
+def _check_labels(builder: Builder, final: str) -> None:
+    """The image's labels must agree with the manifest inside it."""
+    inside = builder.read_json(final, "/opt/glm53/manifest.json")
+    wrong = _imagectl().mismatches(builder.labels(final), inside,
+                                   inside["outputs"]["flashinfer-fused-moe-aot"]["status"])
+    if wrong:
+        raise DistBuildError("image labels disagree with its manifest: " + "; ".join(wrong))
+    builder.log("image    labels agree with /opt/glm53/manifest.json")
+
+
+def _record_size_and_ids(builder: Builder, final: str, report: dict) -> None:
+    report["size_bytes"] = builder.size(final)
+    if report["size_bytes"]:
+        builder.log(f"image    {final}: {report['size_bytes'] / 1e9:.2f} GB")
+    report["image_id"] = baseimage.image_id(builder.engine, final)
+    report["digest"] = baseimage.digest(builder.engine, final)
+    builder.log(f"image    {final} digest {report['digest']} (image id sha256:{report['image_id']})")
+
+
+def _run_selftest(builder: Builder, final: str, report: dict, started: float) -> None:
+    """The image's self-test in a container; a failure is in the report before it stops the build."""
+    result = builder.run(final, ["self-test"])
+    print(result.stdout, end="")
+    print(result.stderr, end="", file=sys.stderr)
+    report["selftest"] = result.stdout
+    report["selftest_rc"] = result.returncode
+    if result.returncode != 0:
+        _write_report(builder.out, report, started)
+        raise DistBuildError("the image's self-test failed (above)")
+
+
+def _run_audit(builder: Builder, final: str, report: dict, started: float) -> None:
+    """The arch audit of the image's filesystem; a failure is in the report before it stops the build."""
+    target = builder.options.audit_target
+    report["audit"] = audit_image(builder.layout, builder.engine, final, target, builder.log)
+    if not report["audit"]["passed"]:
+        _write_report(builder.out, report, started)
+        raise DistBuildError(f"the arch audit failed for {target} "
+                             "(above; JSON in work/image/audit.json)")
 
 
 def lock_debian(layout: Layout, options: Options, log: Callable[[str], None] = print) -> int:
