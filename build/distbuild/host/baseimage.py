@@ -153,10 +153,7 @@ def ensure_base(engine: Engine, work: Path, log: Callable[[str], None] = print, 
     lock_text = lock.read_text() if lock and lock.is_file() else ""
     section = section_digest(lock_text) if lock_text and suite == SUITE else None
     want = f"{section}@{epoch}" if section else None
-    existing = None if (rebuild or relock) else image_id(engine, tag)
-    if existing and want and base_label(engine, tag, LOCK_LABEL) != want:
-        log(f"base     {tag} (id {existing[:12]}) was not made from this [base] lock section: rebuilding")
-        existing = None
+    existing = None if (rebuild or relock) else _reusable_base(engine, tag, want, log)
     if existing:
         log(f"base     {tag} present (id {existing[:12]})")
         return existing
@@ -166,87 +163,134 @@ def ensure_base(engine: Engine, work: Path, log: Callable[[str], None] = print, 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=work, prefix="rootfs-") as tmp:
         root = Path(tmp) / "rootfs"
-        log(f"base     debootstrap {suite} (minbase + {', '.join(PACKAGES)}) from {mirror}")
-        env = {**os.environ, "SOURCE_DATE_EPOCH": str(epoch), "PYTHONHASHSEED": "0"}
-        result = subprocess.run([debootstrap, "--variant=minbase", f"--include={','.join(PACKAGES)}", suite,
-                                 str(root), mirror],
-                                capture_output=True, text=True, env=env)
-        if result.returncode != 0:
-            raise DistBuildError(f"debootstrap failed:\n{(result.stdout + result.stderr)[-2000:]}")
+        _debootstrap(debootstrap, suite, root, mirror, epoch, log)
         if suite == SUITE and (want or relock):
             (root / "etc/apt/sources.list").write_text(sources_list(mirror, security, suite))
-            if relock:
-                log(f"base     upgrading to the current {suite}, {suite}-updates, {suite}-security; "
-                    "writing the [base] lock")
-                done = _chroot_aptpin(root, ["resolve", "--stage", "base", "--all", *PACKAGES])
-                if done.returncode != 0:
-                    raise DistBuildError("base: locking the Debian packages failed:\n"
-                                         f"{(done.stdout + done.stderr)[-2000:]}")
-                (work / "base-lock.txt").write_text(done.stdout)
-                # The install below finds every package at its locked version and only checks and cleans.
-                (root / "tmp" / "debian.txt").write_text(done.stdout)
-            else:
-                (root / "tmp" / "debian.txt").write_text(lock_text)
-            log("base     pinning every package to build/lock/debian.txt [base] (sha256 of each .deb checked)")
-            done = _chroot_aptpin(root, ["install", "--lock", "/tmp/debian.txt", "--stage", "base", "--exact"])
-            (root / "tmp" / "debian.txt").unlink(missing_ok=True)
-            if done.returncode != 0:
-                raise DistBuildError(f"base: {(done.stdout + done.stderr).strip()[-2000:]}")
-            log("base     " + done.stdout.strip())
-        for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
-            for entry in (root / cache).glob("*"):
-                if entry.is_file():
-                    entry.unlink()
-        # debootstrap copies the build machine's name and resolver; the engine mounts its own at run time.
-        (root / "etc/hostname").write_text("localhost\n")
-        (root / "etc/resolv.conf").unlink(missing_ok=True)
-        (root / "etc/resolv.conf").write_text("")
-        for volatile in ("var/log/dpkg.log", "var/log/alternatives.log", "var/log/bootstrap.log",
-                         "var/cache/ldconfig/aux-cache", "var/lib/dpkg/status-old", "var/cache/debconf/config.dat-old",
-                         "var/cache/debconf/templates.dat-old"):
-            (root / volatile).unlink(missing_ok=True)
-        shutil.rmtree(root / "var/log/apt", ignore_errors=True)
+            _pin_base_packages(root, work, suite, lock_text, relock, log)
+        _clean_rootfs(root)
         tar = Path(tmp) / "rootfs.tar"
-        digest = normalised_tar(root, tar, epoch)
-        shutil.rmtree(root, ignore_errors=True)
-        log(f"base     normalised rootfs tar sha256 {digest}")
-        (work / "base-rootfs.sha256").write_text(f"{digest}  rootfs.tar\n")
+        rootfs_digest = _rootfs_tar(root, tar, epoch, work, log)
         if relock:
             want = f"{section_digest((work / 'base-lock.txt').read_text())}@{epoch}"
-        labels = {"io.glm53.base.rootfs.sha256": digest, **({LOCK_LABEL: want} if want else {})}
-        buildah = (engine.binary if engine.name == "buildah"
-                   else (os.environ.get("DIST_BUILDAH") or shutil.which("buildah")))
-        if buildah:
-            # buildah commits with a fixed timestamp (created, history, every file's mtime): the same
-            # tar and epoch give the same image id (measured: make image-repro). `podman import`
-            # stamps the current time.
-            ctr = subprocess.run([buildah, "from", "scratch"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
-            try:
-                mnt = subprocess.run([buildah, "mount", ctr], capture_output=True, text=True, check=True).stdout.strip()
-                subprocess.run(["tar", "-C", mnt, "--numeric-owner", "-xf", str(tar)], check=True)
-                subprocess.run([buildah, "umount", ctr], check=True, stdout=subprocess.DEVNULL)
-                subprocess.run([buildah, "config", "--cmd", "/bin/bash", "--created-by",
-                                f"debootstrap {suite} (distbuild)",
-                                *[f"--label={k}={v}" for k, v in labels.items()], ctr], check=True)
-                # OCI format: the docker format's config records the build container's random id
-                # (buildah 1.28), which would make the base's id, and every stage's BASE_IMAGE
-                # build arg (in their history), differ per build. The base needs no SHELL.
-                subprocess.run([buildah, "commit", "--quiet", "--format=oci", f"--timestamp={epoch}", ctr, tag],
-                               check=True, stdout=subprocess.DEVNULL)
-            finally:
-                subprocess.run([buildah, "rm", ctr], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        else:
-            log("base     NOTE: no buildah here: `docker import` stamps the current time, "
-                "so the base's id differs per build")
-            subprocess.run([engine.binary, "import", "--change", "CMD [\"/bin/bash\"]",
-                            *[f"--change=LABEL {k}={v}" for k, v in labels.items()], str(tar), tag],
-                           check=True, stdout=subprocess.DEVNULL)
+        labels = {"io.glm53.base.rootfs.sha256": rootfs_digest, **({LOCK_LABEL: want} if want else {})}
+        _commit_base(engine, tar, tag, suite, labels, epoch, log)
     new = image_id(engine, tag)
     if not new:
         raise DistBuildError(f"{tag}: imported but `{engine.name} inspect` cannot find it")
     log(f"base     {tag} built in {time.monotonic() - started:.0f} s (id {new[:12]})")
     return new
+
+
+def _reusable_base(engine: Engine, tag: str, want: str | None, log: Callable[[str], None]) -> str | None:
+    """The id of ``tag`` when it exists and, with a lock (``want``: section digest @ epoch), was made from it."""
+    existing = image_id(engine, tag)
+    if existing and want and base_label(engine, tag, LOCK_LABEL) != want:
+        log(f"base     {tag} (id {existing[:12]}) was not made from this [base] lock section: rebuilding")
+        return None
+    return existing
+
+
+def _debootstrap(debootstrap: str, suite: str, root: Path, mirror: str, epoch: int,
+                 log: Callable[[str], None]) -> None:
+    """A minbase ``suite`` with PACKAGES into ``root``."""
+    log(f"base     debootstrap {suite} (minbase + {', '.join(PACKAGES)}) from {mirror}")
+    env = {**os.environ, "SOURCE_DATE_EPOCH": str(epoch), "PYTHONHASHSEED": "0"}
+    result = subprocess.run([debootstrap, "--variant=minbase", f"--include={','.join(PACKAGES)}", suite,
+                             str(root), mirror],
+                            capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise DistBuildError(f"debootstrap failed:\n{(result.stdout + result.stderr)[-2000:]}")
+
+
+def _pin_base_packages(root: Path, work: Path, suite: str, lock_text: str, relock: bool,
+                       log: Callable[[str], None]) -> None:
+    """Every package of the rootfs at its ``[base]`` lock version, each .deb's sha256 checked; with ``relock``
+    the section is first resolved again from the live suites."""
+    if relock:
+        lock_text = _resolve_base_lock(root, work, suite, log)
+        # The install below finds every package at its locked version and only checks and cleans.
+    (root / "tmp" / "debian.txt").write_text(lock_text)
+    log("base     pinning every package to build/lock/debian.txt [base] (sha256 of each .deb checked)")
+    done = _chroot_aptpin(root, ["install", "--lock", "/tmp/debian.txt", "--stage", "base", "--exact"])
+    (root / "tmp" / "debian.txt").unlink(missing_ok=True)
+    if done.returncode != 0:
+        raise DistBuildError(f"base: {(done.stdout + done.stderr).strip()[-2000:]}")
+    log("base     " + done.stdout.strip())
+
+
+def _resolve_base_lock(root: Path, work: Path, suite: str, log: Callable[[str], None]) -> str:
+    """The ``[base]`` section at the suites' current versions, also written to ``work/base-lock.txt``."""
+    log(f"base     upgrading to the current {suite}, {suite}-updates, {suite}-security; "
+        "writing the [base] lock")
+    done = _chroot_aptpin(root, ["resolve", "--stage", "base", "--all", *PACKAGES])
+    if done.returncode != 0:
+        raise DistBuildError("base: locking the Debian packages failed:\n"
+                             f"{(done.stdout + done.stderr)[-2000:]}")
+    (work / "base-lock.txt").write_text(done.stdout)
+    return done.stdout
+
+
+def _clean_rootfs(root: Path) -> None:
+    """Leave out what differs per build and is not the base's: apt's caches, logs, the build machine's name."""
+    for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
+        for entry in (root / cache).glob("*"):
+            if entry.is_file():
+                entry.unlink()
+    # debootstrap copies the build machine's name and resolver; the engine mounts its own at run time.
+    (root / "etc/hostname").write_text("localhost\n")
+    (root / "etc/resolv.conf").unlink(missing_ok=True)
+    (root / "etc/resolv.conf").write_text("")
+    for volatile in ("var/log/dpkg.log", "var/log/alternatives.log", "var/log/bootstrap.log",
+                     "var/cache/ldconfig/aux-cache", "var/lib/dpkg/status-old", "var/cache/debconf/config.dat-old",
+                     "var/cache/debconf/templates.dat-old"):
+        (root / volatile).unlink(missing_ok=True)
+    shutil.rmtree(root / "var/log/apt", ignore_errors=True)
+
+
+def _rootfs_tar(root: Path, tar: Path, epoch: int, work: Path, log: Callable[[str], None]) -> str:
+    """``root`` as a normalised tar (the rootfs is removed then); its sha256, also in work/base-rootfs.sha256."""
+    rootfs_digest = normalised_tar(root, tar, epoch)
+    shutil.rmtree(root, ignore_errors=True)
+    log(f"base     normalised rootfs tar sha256 {rootfs_digest}")
+    (work / "base-rootfs.sha256").write_text(f"{rootfs_digest}  rootfs.tar\n")
+    return rootfs_digest
+
+
+def _commit_base(engine: Engine, tar: Path, tag: str, suite: str, labels: dict[str, str], epoch: int,
+                 log: Callable[[str], None]) -> None:
+    """The rootfs tar as image ``tag``: with buildah when there is one, else with the engine's import."""
+    buildah = (engine.binary if engine.name == "buildah"
+               else (os.environ.get("DIST_BUILDAH") or shutil.which("buildah")))
+    if buildah:
+        _buildah_commit(buildah, tar, tag, suite, labels, epoch)
+        return
+    log("base     NOTE: no buildah here: `docker import` stamps the current time, "
+        "so the base's id differs per build")
+    subprocess.run([engine.binary, "import", "--change", "CMD [\"/bin/bash\"]",
+                    *[f"--change=LABEL {k}={v}" for k, v in labels.items()], str(tar), tag],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def _buildah_commit(buildah: str, tar: Path, tag: str, suite: str, labels: dict[str, str], epoch: int) -> None:
+    # buildah commits with a fixed timestamp (created, history, every file's mtime): the same
+    # tar and epoch give the same image id (measured: make image-repro). `podman import`
+    # stamps the current time.
+    ctr = subprocess.run([buildah, "from", "scratch"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        mnt = subprocess.run([buildah, "mount", ctr], capture_output=True, text=True, check=True).stdout.strip()
+        subprocess.run(["tar", "-C", mnt, "--numeric-owner", "-xf", str(tar)], check=True)
+        subprocess.run([buildah, "umount", ctr], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([buildah, "config", "--cmd", "/bin/bash", "--created-by",
+                        f"debootstrap {suite} (distbuild)",
+                        *[f"--label={k}={v}" for k, v in labels.items()], ctr], check=True)
+        # OCI format: the docker format's config records the build container's random id
+        # (buildah 1.28), which would make the base's id, and every stage's BASE_IMAGE
+        # build arg (in their history), differ per build. The base needs no SHELL.
+        subprocess.run([buildah, "commit", "--quiet", "--format=oci", f"--timestamp={epoch}", ctr, tag],
+                       check=True, stdout=subprocess.DEVNULL)
+    finally:
+        subprocess.run([buildah, "rm", ctr], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def base_label(engine: Engine, ref: str, label: str) -> str | None:
