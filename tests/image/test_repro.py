@@ -166,6 +166,10 @@ def test_the_epoch_is_the_commit_time_of_the_last_change_to_the_build_inputs(tmp
     saved = os.environ.pop("SOURCE_DATE_EPOCH", None)
     try:
         assert image.input_epoch(repo, image.BUILD_INPUTS) == 1_800_000_600
+        # The base is made by host-side code outside the context: a change to it dates the base.
+        commit("build/distbuild/host/baseimage.py", 1_800_000_700)
+        assert image.input_epoch(repo, image.BASE_INPUTS, in_build_context=False) == 1_800_000_700
+        assert image.input_epoch(repo, image.BUILD_INPUTS) == 1_800_000_600
         commit("build/distbuild/pins.py", 1_800_001_000)   # in the context: the stages read it
         assert image.input_epoch(repo, image.BUILD_INPUTS) == 1_800_001_000
         prov = image.provenance(repo)

@@ -269,12 +269,14 @@ def dockerignore_excludes(repo: Path) -> list[str]:
     return out
 
 
-def input_epoch(repo: Path, paths: tuple[str, ...]) -> int:
-    """Commit time of the last commit touching ``paths``, less what .dockerignore leaves out of the
-    context (SOURCE_DATE_EPOCH env overrides it)."""
+def input_epoch(repo: Path, paths: tuple[str, ...], in_build_context: bool = True) -> int:
+    """Commit time of the last commit touching ``paths`` (SOURCE_DATE_EPOCH env overrides it). For the
+    stages' inputs (``in_build_context``) less what .dockerignore leaves out of the context; the base is
+    made on the host by code outside the context, so its inputs count whole."""
     if os.environ.get("SOURCE_DATE_EPOCH", "").isdigit():
         return int(os.environ["SOURCE_DATE_EPOCH"])
-    value = git_out(repo, "log", "-1", "--format=%ct", "--", *paths, *dockerignore_excludes(repo))
+    excludes = dockerignore_excludes(repo) if in_build_context else []
+    value = git_out(repo, "log", "-1", "--format=%ct", "--", *paths, *excludes)
     if not value.isdigit():
         raise DistBuildError(f"{repo}: no git history for {', '.join(paths[:3])}...: the build's SOURCE_DATE_EPOCH "
                              "comes from the commit (or set SOURCE_DATE_EPOCH)")
@@ -339,7 +341,7 @@ def _base_image(builder: Builder, report: dict) -> tuple[str, str]:
     base_started = time.monotonic()
     base_ref = baseimage.ensure_base(builder.engine, layout.work / "image", builder.log,
                                      lock=layout.repo / "build" / "lock" / "debian.txt",
-                                     epoch=input_epoch(layout.repo, BASE_INPUTS))
+                                     epoch=input_epoch(layout.repo, BASE_INPUTS, in_build_context=False))
     report["base_seconds"] = round(time.monotonic() - base_started, 1)
     return base_ref, baseimage.TAG
 
@@ -467,7 +469,8 @@ def lock_debian(layout: Layout, options: Options, log: Callable[[str], None] = p
     """``make lock-debian``: build/lock/debian.txt from the live suites (base, then each stage's closure)."""
     engine = engine_step.ensure_engine(options.engine, log)
     lock = layout.repo / "build" / "lock" / "debian.txt"
-    baseimage.write_lock(engine, layout.work / "image", lock, log, epoch=input_epoch(layout.repo, BASE_INPUTS))
+    epoch = input_epoch(layout.repo, BASE_INPUTS, in_build_context=False)
+    baseimage.write_lock(engine, layout.work / "image", lock, log, epoch=epoch)
     log(f"lock     wrote {lock}; `make image` now builds the base and every stage from it")
     return 0
 
