@@ -241,9 +241,18 @@ def _left_out_site_builder(layout: Layout, python: Path):
         if all(path.endswith(".py") for path in changed):
             return leaveout.overlay_site(repo, variant.tree_hash, installed_tree, installed, dest)
         number = variant.patch.split("-", 1)[0] + (f".{variant.part.replace('-', '.')}" if variant.part else "")
+        same = leaveout.built_with_same_compiled_content(layout.wheels, repo, variant.tree_hash)
+        if same is not None:
+            # Only Python files differ from a wheel already built: install it, put the variant's over it.
+            compiled = dest.with_name(dest.name + ".compiled")
+            testenv.install(testenv.Variant(f"without-{number}", venv, tree, same, version, compiled),
+                            python, layout.wheels, layout.work / "logs")
+            print(f"without-{number} reuses the build of tree {same[:12]} (same compiled content)", flush=True)
+            return leaveout.overlay_site(repo, variant.tree_hash, same, compiled / leaveout.PACKAGE, dest)
         built = testenv.Variant(f"without-{number}", venv, tree, variant.tree_hash,
                                 f"{version}+dist.without.{number}", dest)
         testenv.install(built, python, layout.wheels, layout.work / "logs")
+        leaveout.record_compiled_content(layout.wheels, repo, variant.tree_hash)
         return dest
 
     return build

@@ -150,6 +150,33 @@ def test_overlay_site_puts_the_variant_python_over_the_installed_package(tree, t
     assert not (tmp_path / "v3.partial").exists()
 
 
+def test_a_wheel_is_reused_by_a_variant_whose_compiled_content_is_the_same(tree, tmp_path):
+    repo = Repo(tree)
+    wheels = tmp_path / "wheels"
+    without_2 = {v.patch: v for v in leaveout.left_out_variants(tree, PATCHES)}[PATCHES[1]].tree_hash
+    assert leaveout.built_with_same_compiled_content(wheels, repo, without_2) is None
+    (wheels / f"lmcache-{without_2}").mkdir(parents=True)
+    (wheels / f"lmcache-{without_2}" / "lmcache-0.5.5-cp311-linux_x86_64.whl").write_text("wheel")
+    leaveout.record_compiled_content(wheels, repo, without_2)
+
+    # The series edited in Python only (patch 3 changes core.py again): the same compiled content.
+    write(tree, {"lmcache/core.py": "A = 1\n\n\ndef helper():\n    return A + 3\n"})
+    repo.commit_all("python only")
+    edited = {v.patch: v for v in leaveout.left_out_variants(tree, [*PATCHES, "0004-python-only.patch"])}
+    edited_without_2 = edited[PATCHES[1]].tree_hash
+    assert edited_without_2 != without_2
+    assert leaveout.built_with_same_compiled_content(wheels, repo, edited_without_2) == without_2
+
+    # A variant whose compiled source differs (the series without patch 4 has patch 5's op.cpp): a build of its own.
+    write(tree, {"csrc/op.cpp": "int op() { return 3; }\n"})
+    repo.commit_all("native")
+    native = leaveout.left_out_variants(tree, [*PATCHES, "0004-python-only.patch", "0005-native.patch"])
+    assert leaveout.built_with_same_compiled_content(wheels, repo, native[3].tree_hash) is None
+    # An index entry whose wheel is gone is no match.
+    (wheels / f"lmcache-{without_2}" / "lmcache-0.5.5-cp311-linux_x86_64.whl").unlink()
+    assert leaveout.built_with_same_compiled_content(wheels, repo, edited_without_2) is None
+
+
 def test_overlay_site_removes_files_the_variant_lacks(tree, tmp_path):
     repo = Repo(tree)
     installed = tmp_path / "pkg" / "lmcache"

@@ -36,9 +36,14 @@ build's compiled package: a copy of the installed ``lmcache`` package with
 the files the variant tree has differently put over it, first on
 ``PYTHONPATH``. A variant that differs in anything else (C++ sources, build
 files) gets a wheel of its own, built like the others and cached by tree hash.
+That wheel is indexed by the variant's files other than Python (its compiled
+content): a later variant with the same compiled content, after a series
+edit that changed only Python files, installs it and gets its own Python
+files put over it, instead of building again.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -252,6 +257,42 @@ def check_declarations(variants: list[LeftOut], declared: dict[str, tuple[set[st
                 f"write '{variant.patch} with {', '.join(wanted)}: <why>'"
             )
     return problems
+
+
+COMPILED_INDEX = "compiled"
+
+
+NOT_BUILT = ("tests/", "docs/")
+
+
+def compiled_key(repo: Repo, tree_hash: str) -> str:
+    """A digest of the tree's files but its Python files, tests and docs: what a wheel's compiled part is
+    built from."""
+    listing = repo.out("ls-tree", "-r", "--full-tree", tree_hash).splitlines()
+    kept = "\n".join(line for line in listing
+                     if not line.endswith(".py") and not line.split("\t", 1)[1].startswith(NOT_BUILT))
+    return hashlib.sha256(kept.encode()).hexdigest()
+
+
+def built_with_same_compiled_content(wheels: Path, repo: Repo, tree_hash: str) -> str | None:
+    """The tree of a cached wheel built from the same non-Python files as ``tree_hash``, if there is one."""
+    entry = wheels / COMPILED_INDEX / compiled_key(repo, tree_hash)
+    if not entry.is_file():
+        return None
+    built = entry.read_text().strip()
+    has_wheel = any((wheels / f"lmcache-{built}").glob("*.whl"))
+    has_tree = repo.git("cat-file", "-e", f"{built}^{{tree}}", check=False).returncode == 0
+    return built if has_wheel and has_tree else None
+
+
+def record_compiled_content(wheels: Path, repo: Repo, tree_hash: str) -> None:
+    """Index the cached wheel of ``tree_hash`` by its compiled content."""
+    index = wheels / COMPILED_INDEX
+    index.mkdir(parents=True, exist_ok=True)
+    entry = index / compiled_key(repo, tree_hash)
+    partial = entry.with_suffix(".partial")
+    partial.write_text(tree_hash + "\n")
+    os.replace(partial, entry)
 
 
 def changed_paths(repo: Repo, base_tree: str, tree_hash: str) -> tuple[str, ...]:
