@@ -87,7 +87,7 @@ def test_router_may_run_an_image_of_its_own(docs):
     rendered = render_cell(f"router.image={ROUTER_IMAGE}", "router.kind=vllm-router")
     routers = by(rendered, "Deployment", "glm53-pd-proxy")["spec"]["template"]["spec"]["containers"]
     assert [c["image"] for c in routers] == [ROUTER_IMAGE, ROUTER_IMAGE]
-    assert routers[0]["command"][:3] == ["python3", "-m", "vllm_router.launch_router"]
+    assert routers[0]["command"][:5] == ["/usr/bin/tini", "--", "python3", "-m", "vllm_router.launch_router"]
     for role in ("prefill", "decode"):
         assert container(by(rendered, "StatefulSet", f"glm53-{role}"))["image"] == IMAGE
 
@@ -255,6 +255,17 @@ def test_engines_run_under_the_images_tini(docs, role):
     chosen = plan(engine["args"], {}, home=REPO, config_root=CONFIGS)
     assert chosen.argv == engine["args"] and chosen.env == {} and chosen.preflight is None
     assert not getattr(chosen, "follow", False)   # exec'd: no process of the entrypoint's stays between
+
+
+@pytest.mark.parametrize("values", [(), ("router.kind=toy-proxy",)])
+def test_the_routers_run_under_the_images_tini(values):
+    """The router containers set their command (a program of the image, not its entrypoint): it starts
+    with the ENTRYPOINT's tini, so the router is not PID 1."""
+    tini = _entrypoint()[:2]
+    pod = by(render_cell(*values), "Deployment", "glm53-pd-proxy")["spec"]["template"]["spec"]
+    for c in pod["containers"]:
+        assert c["command"][:2] == tini, (c["name"], c["command"][:4])
+        assert c["command"][2] == "python3", c["name"]
 
 
 def test_the_cache_warming_job_runs_under_the_images_tini():

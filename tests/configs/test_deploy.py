@@ -379,7 +379,7 @@ def test_router_is_vllm_router_finding_the_cells_pods(docs):
     assert [c["name"] for c in pod["containers"]] == ["proxy", "prefill-retry"]
     c, retry = container(deployment), container(deployment, "prefill-retry")
     cmd, retry_cmd = c["command"], retry["command"]
-    assert cmd[:3] == retry_cmd[:3] == ["python3", "-m", "vllm_router.launch_router"]
+    assert cmd[:5] == retry_cmd[:5] == ["/usr/bin/tini", "--", "python3", "-m", "vllm_router.launch_router"]
     assert "--vllm-pd-disaggregation" in cmd and _args(cmd, "--kv-connector") == ["nixl"]
     assert "--vllm-pd-disaggregation" not in retry_cmd  # regular mode: the one with retries
     assert _args(cmd, "--host") == ["0.0.0.0"] and _args(cmd, "--port") == ["8000"]
@@ -468,7 +468,7 @@ def test_toy_proxy_pairs_every_prefill_and_decode_pod(no_network):
     deployment = by(docs, "Deployment", "glm53-pd-proxy")
     c = container(deployment)
     cmd = c["command"]
-    assert cmd[:2] == ["python3", "/opt/glm53/pd-proxy/toy_proxy_server.py"]
+    assert cmd[:4] == ["/usr/bin/tini", "--", "python3", "/opt/glm53/pd-proxy/toy_proxy_server.py"]
     hosts = cmd[cmd.index("--prefiller-hosts") + 1:cmd.index("--prefiller-ports")]
     assert hosts == [f"glm53-prefill-{i}.glm53-prefill.vllm.svc.cluster.local" for i in range(4)]
     assert cmd[cmd.index("--prefiller-ports") + 1:cmd.index("--decoder-hosts")] == ["8000"] * 4

@@ -556,8 +556,8 @@ def localized(command: list[str], overrides: dict[str, str]) -> list[str]:
     the value after each flag in ``overrides`` replaced (the addresses a pod has and this machine
     has not)."""
     assert ROUTER is not None
-    assert command[:3] == ["python3", "-m", "vllm_router.launch_router"]
-    rest = command[3:]
+    assert command[:5] == ["/usr/bin/tini", "--", "python3", "-m", "vllm_router.launch_router"]
+    rest = command[5:]
     return [ROUTER] + [overrides[rest[i - 1]] if i and rest[i - 1] in overrides else arg for i, arg in enumerate(rest)]
 
 
