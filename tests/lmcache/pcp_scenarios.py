@@ -154,7 +154,9 @@ def apply_load_fault(ctx: RankContext, fault: tuple | None):
     allocated (torch.empty raises OutOfMemoryError for calls from the cache
     engine). ``("to_gpu_fails_at", start)``: the connector raises when asked
     to write the chunk at ``start``. ``("metadata_parse_fails",)``:
-    MemoryObjMetadata.from_dict raises. ``("remote_get_raises",)``: a
+    MemoryObjMetadata.from_dict raises. ``("metadata_serialize_fails",)``:
+    MemoryObjMetadata.to_dict raises, as the rank describes the chunks it
+    read for the exchange. ``("remote_get_raises",)``: a
     storage read from the remote backend raises (after the L1 read of the
     same retrieve returned its objects)."""
     import sys
@@ -196,6 +198,16 @@ def apply_load_fault(ctx: RankContext, fault: tuple | None):
 
         MemoryObjMetadata.from_dict = staticmethod(failing_from_dict)
         return lambda: setattr(MemoryObjMetadata, "from_dict", real_from_dict)
+    if name == "metadata_serialize_fails":
+        from lmcache.v1.memory_management import MemoryObjMetadata
+
+        real_to_dict = MemoryObjMetadata.to_dict
+
+        def failing_to_dict(self):
+            raise ValueError("injected: chunk metadata could not be serialised on this rank")
+
+        MemoryObjMetadata.to_dict = failing_to_dict
+        return lambda: setattr(MemoryObjMetadata, "to_dict", real_to_dict)
     if name == "remote_get_raises":
         storage = ctx.engine.storage_manager
         real_get = storage.batched_get

@@ -78,6 +78,19 @@ def test_metadata_parse_failure_on_one_rank_loads_nothing_and_never_hangs(tmp_pa
     assert_protocol(results, 0, 0)
 
 
+@pytest.mark.fixes(SYNC, part="guarded-exchange",
+                   fails_with=r"did not finish within \d+ s \(hang\)|"
+                   r"ranks raised out of retrieve\(\).*injected: chunk metadata could not be serialised")
+def test_a_rank_that_cannot_describe_its_chunks_still_enters_the_exchange(tmp_path):
+    # Rank 1 read its chunks, then fails to serialise their metadata for the
+    # exchange. Were that outside the guarded region, rank 1 would raise out
+    # of retrieve() while rank 0 waits in the all-gather.
+    results = run_fault(tmp_path, 2, seed=63, num_chunks=5, fault=("metadata_serialize_fails",), fault_rank=1)
+    assert_same_outcome(results, 0)
+    assert_protocol(results, 0, 0)
+    assert [op for op, _, _ in results[0]["collectives"]] == ["all_gather_object"]
+
+
 @pytest.mark.fixes(SYNC, fails_with=r"L1 objects of rank 1 still held|ranks ended at different prefixes")
 def test_a_read_that_fails_part_way_releases_what_it_read(tmp_path):
     """Rank 1 owns chunks 1, 3, 5; chunk 5 is only in its L2, so its read
