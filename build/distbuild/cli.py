@@ -245,10 +245,10 @@ def _left_out_site_builder(layout: Layout, python: Path):
         if same is not None:
             # Only Python files differ from a wheel already built: install it, put the variant's over it.
             compiled = dest.with_name(dest.name + ".compiled")
-            testenv.install(testenv.Variant(f"without-{number}", venv, tree, same, version, compiled),
+            testenv.install(testenv.Variant(f"without-{number}", venv, tree, same.tree, version, compiled),
                             python, layout.wheels, layout.work / "logs")
-            print(f"without-{number} reuses the build of tree {same[:12]} (same compiled content)", flush=True)
-            return leaveout.overlay_site(repo, variant.tree_hash, same, compiled / leaveout.PACKAGE, dest)
+            print(f"without-{number} reuses the build of tree {same.tree[:12]} (same compiled content)", flush=True)
+            return leaveout.python_site(repo, variant.tree_hash, same, compiled / leaveout.PACKAGE, dest)
         built = testenv.Variant(f"without-{number}", venv, tree, variant.tree_hash,
                                 f"{version}+dist.without.{number}", dest)
         testenv.install(built, python, layout.wheels, layout.work / "logs")

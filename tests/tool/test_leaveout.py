@@ -165,7 +165,21 @@ def test_a_wheel_is_reused_by_a_variant_whose_compiled_content_is_the_same(tree,
     edited = {v.patch: v for v in leaveout.left_out_variants(tree, [*PATCHES, "0004-python-only.patch"])}
     edited_without_2 = edited[PATCHES[1]].tree_hash
     assert edited_without_2 != without_2
-    assert leaveout.built_with_same_compiled_content(wheels, repo, edited_without_2) == without_2
+    same = leaveout.built_with_same_compiled_content(wheels, repo, edited_without_2)
+    assert same is not None and same.tree == without_2
+    assert set(same.python_files) == {"lmcache/__init__.py", "lmcache/core.py", "lmcache/old.py"}
+
+    # Its site: the build's package with the variant's Python files (the build's own ones out,
+    # a file the build generated kept).
+    installed = tmp_path / "built" / "lmcache"
+    write(installed, {"__init__.py": "", "core.py": "built\n", "old.py": "built\n", "gone.py": "",
+                      "_version.py": "v\n", "op.so": "compiled\n"})
+    same = leaveout.CompiledBuild(same.tree, (*same.python_files, "lmcache/gone.py"))
+    site = leaveout.python_site(repo, edited_without_2, same, installed, tmp_path / "site") / "lmcache"
+    assert (site / "core.py").read_text() == "A = 1\n\n\ndef helper():\n    return A + 3\n"
+    assert (site / "old.py").read_text() == "OLD = 1\n"  # the variant's, not the build's
+    assert not (site / "native.py").exists() and not (site / "gone.py").exists()
+    assert (site / "_version.py").read_text() == "v\n" and (site / "op.so").read_text() == "compiled\n"
 
     # A variant whose compiled source differs (the series without patch 4 has patch 5's op.cpp): a build of its own.
     write(tree, {"csrc/op.cpp": "int op() { return 3; }\n"})

@@ -274,15 +274,28 @@ def compiled_key(repo: Repo, tree_hash: str) -> str:
     return hashlib.sha256(kept.encode()).hexdigest()
 
 
-def built_with_same_compiled_content(wheels: Path, repo: Repo, tree_hash: str) -> str | None:
-    """The tree of a cached wheel built from the same non-Python files as ``tree_hash``, if there is one."""
+@dataclass(frozen=True)
+class CompiledBuild:
+    """A cached wheel: the tree it was built from and that tree's Python files of the package."""
+    tree: str
+    python_files: tuple[str, ...]
+
+
+def _package_python_files(repo: Repo, tree_hash: str) -> list[str]:
+    listing = repo.out("ls-tree", "-r", "--name-only", "--full-tree", tree_hash, "--", f"{PACKAGE}/")
+    return [path for path in listing.splitlines() if path.endswith(".py")]
+
+
+def built_with_same_compiled_content(wheels: Path, repo: Repo, tree_hash: str) -> CompiledBuild | None:
+    """A cached wheel built from the same non-Python files as ``tree_hash``, if there is one. The index
+    names the tree and lists its Python files, so it serves a clone that does not hold that tree."""
     entry = wheels / COMPILED_INDEX / compiled_key(repo, tree_hash)
     if not entry.is_file():
         return None
-    built = entry.read_text().strip()
-    has_wheel = any((wheels / f"lmcache-{built}").glob("*.whl"))
-    has_tree = repo.git("cat-file", "-e", f"{built}^{{tree}}", check=False).returncode == 0
-    return built if has_wheel and has_tree else None
+    built, *python_files = entry.read_text().split()
+    if not python_files or not any((wheels / f"lmcache-{built}").glob("*.whl")):
+        return None
+    return CompiledBuild(built, tuple(python_files))
 
 
 def record_compiled_content(wheels: Path, repo: Repo, tree_hash: str) -> None:
@@ -291,8 +304,26 @@ def record_compiled_content(wheels: Path, repo: Repo, tree_hash: str) -> None:
     index.mkdir(parents=True, exist_ok=True)
     entry = index / compiled_key(repo, tree_hash)
     partial = entry.with_suffix(".partial")
-    partial.write_text(tree_hash + "\n")
+    partial.write_text("\n".join([tree_hash, *_package_python_files(repo, tree_hash)]) + "\n")
     os.replace(partial, entry)
+
+
+def python_site(repo: Repo, tree_hash: str, build: CompiledBuild, installed: Path, dest: Path) -> Path:
+    """A site folder with the installed package of ``build`` and every Python file of the package
+    as ``tree_hash`` has it: the build's own Python files out, the variant's in (files the build
+    generated, such as its version file, stay)."""
+    staging = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(installed, staging / PACKAGE, symlinks=True)
+    for path in build.python_files:
+        (staging / path).unlink(missing_ok=True)
+    for path in _package_python_files(repo, tree_hash):
+        target = staging / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(repo.git("show", f"{tree_hash}:{path}").stdout)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(staging, dest)
+    return dest
 
 
 def changed_paths(repo: Repo, base_tree: str, tree_hash: str) -> tuple[str, ...]:
