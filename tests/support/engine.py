@@ -24,7 +24,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from tests.support import read_only_root
-from tests.support.ports import free_loopback_port
+from tests.support.ports import free_loopback_port, ports_are_free
 from tests.support.valkey import ValkeyServer
 
 ENGINE_PYTHON_ENV = "DIST_ENGINE_PYTHON"
@@ -355,18 +354,8 @@ def stable_port(count: int = 1) -> int:
     bound again after a restart, or bound by the engine well after it was chosen."""
     for _ in range(200):
         base = random.randrange(20000, 32000 - count)
-        sockets = []
-        try:
-            for candidate in range(base, base + count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", candidate))
+        if ports_are_free(base, count):
             return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
     raise EngineError(f"no {count} free loopback port(s) found in 20000-32000")
 
 

@@ -15,22 +15,26 @@ def free_loopback_port() -> int:
         return sock.getsockname()[1]
 
 
+def ports_are_free(base: int, count: int) -> bool:
+    """Whether the loopback ports ``base`` .. ``base + count - 1`` can all be bound now."""
+    sockets = []
+    try:
+        for port in range(base, base + count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def free_port_block(count: int, step: int = 10) -> int:
     """A loopback port B (a multiple of ``step``) with B .. B + count - 1 all free."""
     for _ in range(200):
         base = free_loopback_port() // step * step
-        if base < 1024 or base + count > 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
+        if 1024 <= base and base + count <= 65535 and ports_are_free(base, count):
             return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
     raise NoFreePorts(f"no block of {count} free loopback ports found")
