@@ -417,9 +417,19 @@ def check_vllm_file(path: str | os.PathLike, model: str = DEFAULT_MODEL) -> Vllm
     data = _load_mapping(path)
     parser, serve = serve_parser()
     actions = serve._option_string_actions
+    _check_keys(path, data, actions)
+    _check_json_values(path, data, actions)
+    args = _parse_as_vllm(path, data, parser, serve, model)
+    check = _build_configs(path, args)
+    if check.engine_args.kv_transfer_config is not None:
+        _check_kv_transfer(path, check)
+    check_kernel_pins(path, data, check.engine_args, check)
+    return check
 
-    # 1. Keys. argparse accepts unambiguous prefixes (allow_abbrev), so a
-    #    truncated key could slip through vLLM's parser: require exact options.
+
+def _check_keys(path: Path, data: dict, actions: dict) -> None:
+    """Every key is an exact option of ``vllm serve``: argparse accepts unambiguous prefixes
+    (allow_abbrev), so a truncated key could slip through vLLM's parser."""
     for key, value in data.items():
         option = "--" + key.replace("_", "-")
         if option not in actions:
@@ -430,7 +440,9 @@ def check_vllm_file(path: str | os.PathLike, model: str = DEFAULT_MODEL) -> Vllm
             raise ConfigError(path, key, "false is dropped silently by vLLM's config loader for a "
                               "flag without a --no- form; remove the key")
 
-    # 2. JSON-valued keys against their config classes, for a located message.
+
+def _check_json_values(path: Path, data: dict, actions: dict) -> None:
+    """JSON-valued keys against their config classes, for a located message."""
     from pydantic import TypeAdapter, ValidationError
 
     for key, value in data.items():
@@ -444,7 +456,9 @@ def check_vllm_file(path: str | os.PathLike, model: str = DEFAULT_MODEL) -> Vllm
         except ValidationError as e:
             raise _pydantic_error(path, key, e) from None
 
-    # 3. vLLM's own parse of `vllm serve <model> --config FILE`.
+
+def _parse_as_vllm(path: Path, data: dict, parser, serve, model: str):
+    """vLLM's own parse of ``vllm serve <model> --config FILE`` and its serve checks."""
     saved = parser.error, serve.error
     parser.error = serve.error = _raise_instead_of_exit
     try:
@@ -457,8 +471,6 @@ def check_vllm_file(path: str | os.PathLike, model: str = DEFAULT_MODEL) -> Vllm
     finally:
         parser.error, serve.error = saved
 
-    from vllm.config import KVTransferConfig, ParallelConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.cli.serve import ServeSubcommand
 
     try:
@@ -466,9 +478,16 @@ def check_vllm_file(path: str | os.PathLike, model: str = DEFAULT_MODEL) -> Vllm
     except (ValueError, TypeError) as e:
         raise ConfigError(path, None, f"vLLM's serve checks: {e}") from None
     args.model = args.model_tag  # what ServeSubcommand.cmd does
-    engine_args = AsyncEngineArgs.from_cli_args(args)
+    return args
 
-    # 4. Config objects that need neither the model's files nor a GPU.
+
+def _build_configs(path: Path, args) -> VllmCheck:
+    """The engine args and the config objects that need neither the model's files nor a GPU."""
+    from pydantic import ValidationError
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    engine_args = AsyncEngineArgs.from_cli_args(args)
     parallel_fields = {
         f.name: getattr(engine_args, f.name)
         for f in dataclasses.fields(ParallelConfig)
@@ -480,43 +499,52 @@ def check_vllm_file(path: str | os.PathLike, model: str = DEFAULT_MODEL) -> Vllm
         raise ConfigError(path, None, f"vLLM's ParallelConfig: {e.errors()[0].get('msg')}") from None
     except ValueError as e:
         raise ConfigError(path, None, f"vLLM's ParallelConfig: {e}") from None
-    check = VllmCheck(path, args, engine_args, parallel)
+    return VllmCheck(path, args, engine_args, parallel)
 
-    ktc = engine_args.kv_transfer_config
-    if ktc is not None:
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-        check.kv_transfer_config = ktc
+def _check_kv_transfer(path: Path, check: VllmCheck) -> None:
+    """The KV connector class vLLM would load, each MultiConnector child's, and HMA support."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    ktc = check.engine_args.kv_transfer_config
+    check.kv_transfer_config = ktc
+    try:
+        check.connector_class = KVConnectorFactory.get_connector_class(ktc)
+    except (ValueError, AttributeError, ImportError) as e:
+        raise ConfigError(path, "kv-transfer-config.kv_connector", str(e)) from None
+    if ktc.kv_connector == "MultiConnector":
+        _check_multi_connector_children(path, ktc, check)
+    check.hma_supported = KVConnectorFactory.supports_hma_config(ktc)
+
+
+def _check_multi_connector_children(path: Path, ktc, check: VllmCheck) -> None:
+    """Each child config as MultiConnector._get_connector_classes_and_configs builds it."""
+    from pydantic import ValidationError
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    children = ktc.kv_connector_extra_config.get("connectors")
+    base = "kv-transfer-config.kv_connector_extra_config.connectors"
+    if not isinstance(children, list) or not children:
+        raise ConfigError(path, base, "MultiConnector needs a non-empty list of child configs")
+    for i, child in enumerate(children):
+        if not isinstance(child, dict):
+            raise ConfigError(path, f"{base}[{i}]", "expected a mapping")
+        if "engine_id" in child:
+            raise ConfigError(path, f"{base}[{i}].engine_id", "MultiConnector passes the "
+                              "parent's engine_id; a child's own breaks "
+                              "KVTransferConfig(**child, engine_id=...)")
         try:
-            check.connector_class = KVConnectorFactory.get_connector_class(ktc)
+            child_cfg = KVTransferConfig(**child, engine_id=ktc.engine_id)
+        except ValidationError as e:
+            raise _pydantic_error(path, f"{base}[{i}]", e) from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(path, f"{base}[{i}]", str(e)) from None
+        try:
+            child_cls = KVConnectorFactory.get_connector_class(child_cfg)
         except (ValueError, AttributeError, ImportError) as e:
-            raise ConfigError(path, "kv-transfer-config.kv_connector", str(e)) from None
-        if ktc.kv_connector == "MultiConnector":
-            children = ktc.kv_connector_extra_config.get("connectors")
-            base = "kv-transfer-config.kv_connector_extra_config.connectors"
-            if not isinstance(children, list) or not children:
-                raise ConfigError(path, base, "MultiConnector needs a non-empty list of child configs")
-            for i, child in enumerate(children):
-                if not isinstance(child, dict):
-                    raise ConfigError(path, f"{base}[{i}]", "expected a mapping")
-                if "engine_id" in child:
-                    raise ConfigError(path, f"{base}[{i}].engine_id", "MultiConnector passes the "
-                                      "parent's engine_id; a child's own breaks "
-                                      "KVTransferConfig(**child, engine_id=...)")
-                try:  # as MultiConnector._get_connector_classes_and_configs does
-                    child_cfg = KVTransferConfig(**child, engine_id=ktc.engine_id)
-                except ValidationError as e:
-                    raise _pydantic_error(path, f"{base}[{i}]", e) from None
-                except (TypeError, ValueError) as e:
-                    raise ConfigError(path, f"{base}[{i}]", str(e)) from None
-                try:
-                    child_cls = KVConnectorFactory.get_connector_class(child_cfg)
-                except (ValueError, AttributeError, ImportError) as e:
-                    raise ConfigError(path, f"{base}[{i}].kv_connector", str(e)) from None
-                check.children.append((child_cfg, child_cls))
-        check.hma_supported = KVConnectorFactory.supports_hma_config(ktc)
-    check_kernel_pins(path, data, engine_args, check)
-    return check
+            raise ConfigError(path, f"{base}[{i}].kv_connector", str(e)) from None
+        check.children.append((child_cfg, child_cls))
 
 
 def check_kernel_pins(path: Path, data: dict, engine_args, check: VllmCheck) -> None:
