@@ -10,8 +10,10 @@ orders the other tiles' writes before the completion: a C++ data race that
 ThreadSanitizer reports (as upstream LMCache found, issue #5293).
 
 tests/lmcache/csrc/batch_completion_tsan.cpp drives that path with real
-ConnectorBase code and a connector whose first key is slow, so the other
-tiles finish first. It is compiled here with ``g++ -fsanitize=thread``
+ConnectorBase code and a connector whose tiles meet (through relaxed atomics,
+which order nothing) before writing, so every tile runs on its own worker
+whatever the machine's load: the race is there in every batch, not only when
+the scheduler spreads the tiles. It is compiled here with ``g++ -fsanitize=thread``
 against the headers of the LMCache tree whose build is under test: the tree
 named by the ``dist-lmcache-tree`` stamp next to the imported ``lmcache``
 package (or in the venv), read from the git repository that holds it
@@ -42,10 +44,15 @@ def _tree_under_test() -> str:
     import lmcache
 
     package_parent = Path(lmcache.__file__).resolve().parent.parent
-    for stamp in (package_parent / STAMP, Path(sys.prefix) / STAMP):
+    # The venv's stamp names only the build installed in the venv; a site folder put ahead of it on
+    # PYTHONPATH (pristine, a leave-one-out variant) must name its own tree.
+    installed_in_venv = package_parent.is_relative_to(Path(sys.prefix).resolve())
+    stamps = (package_parent / STAMP, Path(sys.prefix) / STAMP) if installed_in_venv else (package_parent / STAMP,)
+    for stamp in stamps:
         if stamp.is_file():
             return stamp.read_text().strip()
-    raise FileNotFoundError(f"no {STAMP} stamp next to {package_parent} or in {sys.prefix}: which tree is this build?")
+    raise FileNotFoundError(f"no {STAMP} stamp in {' or '.join(str(s.parent) for s in stamps)}: "
+                            f"which tree is the lmcache package in {package_parent} built from?")
 
 
 def _tsan_compiler(tmp_path: Path) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from distbuild.host import leaveout
+from distbuild.host import leaveout, testenv
 from distbuild.errors import DistBuildError
 from distbuild.gitrepo import PRISTINE_REF, Repo
 from distbuild.series import series_entries
@@ -148,6 +148,8 @@ def test_overlay_site_puts_the_variant_python_over_the_installed_package(tree, t
     assert (site / "lmcache" / "core.py").read_text() == "A = 1\n\n\ndef helper():\n    return A\n"
     assert (site / "lmcache" / "lmcache_native.so").read_text() == "compiled\n"
     assert not (tmp_path / "v3.partial").exists()
+    # The site names its own tree, not the installed build's (a test reading the build's sources reads it).
+    assert (site / testenv.STAMP).read_text() == variants[PATCHES[2]].tree_hash
 
 
 def test_a_wheel_is_reused_by_a_variant_whose_compiled_content_is_the_same(tree, tmp_path):
@@ -180,6 +182,8 @@ def test_a_wheel_is_reused_by_a_variant_whose_compiled_content_is_the_same(tree,
     assert (site / "old.py").read_text() == "OLD = 1\n"  # the variant's, not the build's
     assert not (site / "native.py").exists() and not (site / "gone.py").exists()
     assert (site / "_version.py").read_text() == "v\n" and (site / "op.so").read_text() == "compiled\n"
+    # The stamp names the variant's tree, whose headers a C++ proof reads, not the reused build's.
+    assert (site.parent / testenv.STAMP).read_text() == edited_without_2
 
     # A variant whose compiled source differs (the series without patch 4 has patch 5's op.cpp): a build of its own.
     write(tree, {"csrc/op.cpp": "int op() { return 3; }\n"})

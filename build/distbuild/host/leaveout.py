@@ -40,6 +40,11 @@ That wheel is indexed by the variant's files other than Python (its compiled
 content): a later variant with the same compiled content, after a series
 edit that changed only Python files, installs it and gets its own Python
 files put over it, instead of building again.
+
+Every site folder names its variant's tree in a stamp beside the package
+(``dist-lmcache-tree``, as an installed build does), so a test that reads the
+sources of the build under test (the C++ headers, say) reads the variant's
+and not the patched build's that the venv's stamp names.
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ from pathlib import Path
 
 from ..errors import DistBuildError
 from ..gitrepo import PRISTINE_REF, Repo, git_env
+from .testenv import STAMP as TREE_STAMP
 
 RULES_FILE = "leave-out"
 RULE = re.compile(r"^(?P<patch>\S+)\s+with\s+(?P<with>[^:]+):\s*(?P<why>\S.*)$")
@@ -321,6 +327,12 @@ def python_site(repo: Repo, tree_hash: str, build: CompiledBuild, installed: Pat
         target = staging / path
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(repo.git("show", f"{tree_hash}:{path}").stdout)
+    return _publish(staging, tree_hash, dest)
+
+
+def _publish(staging: Path, tree_hash: str, dest: Path) -> Path:
+    """Stamp the staged site with the tree it holds and move it into place."""
+    (staging / TREE_STAMP).write_text(tree_hash)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(staging, dest)
     return dest
@@ -355,6 +367,4 @@ def overlay_site(repo: Repo, tree_hash: str, base_tree: str, installed: Path, de
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(repo.git("show", f"{tree_hash}:{path}").stdout)
-    shutil.rmtree(dest, ignore_errors=True)
-    os.replace(staging, dest)
-    return dest
+    return _publish(staging, tree_hash, dest)

@@ -3,13 +3,22 @@
 //
 // A batch GET is split into one tile per worker; each tile writes its keys'
 // per-key results and decrements remaining_tiles, and the last tile hands
-// per_key_results to the completion that this (main) thread drains. Tile 0 is
-// slow, so it is usually the last one: the other tiles' result writes then
-// reach the main thread only through the decrement. TSan reports a data race
-// on those writes unless the decrement orders them (acq_rel).
+// per_key_results to the completion that this (main) thread drains.
+//
+// Every tile waits in do_single_get until all kWorkers tiles are inside it, so
+// each runs on its own worker and all were taken from the request queue
+// before any result is written. Without that rendezvous a loaded machine can
+// run every tile on one worker, whose own program order hides the race. The
+// rendezvous uses relaxed atomics only, which ThreadSanitizer does not count
+// as synchronisation: whichever tile finishes last, the other tiles' result
+// writes reach the main thread only through the decrement, and TSan reports a
+// data race on them unless the decrement orders them (acq_rel).
 #include "connector_base.h"
 
 #include <poll.h>
+
+#include <atomic>
+#include <cstdlib>
 
 #include <chrono>
 #include <cstdio>
@@ -24,19 +33,37 @@ namespace {
 
 constexpr int kWorkers = 4;
 constexpr int kBatches = 20;
+constexpr auto kRendezvousBound = std::chrono::seconds(30);
 
-class SlowFirstKeyConnector : public lc::ConnectorBase<int> {
+std::atomic<int> arrivals{0};
+
+// Returns once kWorkers calls of this batch have arrived. Relaxed on purpose:
+// it must not order one tile's writes before another's reads.
+void wait_for_every_tile() {
+  int arrived = arrivals.fetch_add(1, std::memory_order_relaxed) + 1;
+  int batch_end = ((arrived - 1) / kWorkers + 1) * kWorkers;
+  auto deadline = std::chrono::steady_clock::now() + kRendezvousBound;
+  while (arrivals.load(std::memory_order_relaxed) < batch_end) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::fprintf(stderr, "only %d of %d tiles reached the rendezvous in %lld s\n",
+                   arrivals.load(std::memory_order_relaxed), batch_end,
+                   static_cast<long long>(kRendezvousBound.count()));
+      std::abort();
+    }
+    std::this_thread::yield();
+  }
+}
+
+class RendezvousConnector : public lc::ConnectorBase<int> {
  public:
-  SlowFirstKeyConnector() : ConnectorBase(kWorkers) { start_workers(); }
-  ~SlowFirstKeyConnector() override { close(); }
+  RendezvousConnector() : ConnectorBase(kWorkers) { start_workers(); }
+  ~RendezvousConnector() override { close(); }
 
  protected:
   int create_connection() override { return 0; }
-  void do_single_get(int&, const std::string& key, void* buf, size_t len,
+  void do_single_get(int&, const std::string&, void* buf, size_t len,
                      size_t) override {
-    if (key == "k0") {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    wait_for_every_tile();
     std::memset(buf, 0x5a, len);
   }
   void do_single_set(int&, const std::string&, const void*, size_t,
@@ -47,7 +74,7 @@ class SlowFirstKeyConnector : public lc::ConnectorBase<int> {
 }  // namespace
 
 int main() {
-  SlowFirstKeyConnector connector;
+  RendezvousConnector connector;
   std::vector<std::string> keys;
   for (int i = 0; i < kWorkers; ++i) keys.push_back("k" + std::to_string(i));
 
