@@ -32,20 +32,25 @@ BLOCKED = r"close\(\) did not return beside vLLM's KV event publisher"
 
 pytestmark = pytest.mark.lmcache
 
-CHILD_BOUND_S = 30   # a patched child takes about 5 s, most of it imports
+# The child bounds its own close(): unpatched it blocks for ever, and the bound must
+# not include the imports, which take 5 s idle and over 30 s beside the rest of CI.
+CLOSE_BOUND_S = 10   # a patched close() takes about 1 s (the thread wakes on its poll)
+CHILD_BOUND_S = 300  # only a child that hangs before close() meets this
 
 # EngineCore's scheduler side, reduced: vLLM's KV event publisher and LMCache's
 # async lookup client on the process-wide ZMQ context, then the connector's close().
 CHILD = r"""
 import linecache
+import os
 import sys
+import threading
 import time
 from vllm.distributed.kv_events import ZmqEventPublisher
 from lmcache.v1.lookup_client.lmcache_async_lookup_client import LMCacheAsyncLookupClient
 from lmcache.v1.rpc_utils import get_zmq_context
 from tests.support.pcp_ranks import mla_metadata, valkey_engine_config
 
-endpoint, engine_id = sys.argv[1:3]
+endpoint, engine_id, close_bound_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
 config = valkey_engine_config("resp://127.0.0.1:9")   # never reached: no lookup is made
 config.enable_async_loading = True
 metadata = mla_metadata("lookup-close", 1, 0)
@@ -68,7 +73,7 @@ def response_thread_waiting_on_its_socket():
 
 # close() right after the constructor can set running=False before the thread
 # reaches its loop; it then exits by itself and close() has nothing to race.
-deadline = time.monotonic() + 10
+deadline = time.monotonic() + 60
 while not response_thread_waiting_on_its_socket():
     if time.monotonic() > deadline:
         sys.exit("the response thread never waited on its socket")
@@ -81,7 +86,12 @@ def closing_pull_socket(*args, **kwargs):
     return close_pull_socket(*args, **kwargs)
 
 client.pull_socket.close = closing_pull_socket
-client.close()
+closing = threading.Thread(target=client.close, daemon=True)
+closing.start()
+closing.join(close_bound_s)
+if closing.is_alive():
+    print(f"close() still blocked after {close_bound_s:g} s", flush=True)
+    os._exit(3)   # the context's term() cannot be interrupted; the process must not wait on it
 print("close() returned", flush=True)
 print(f"response thread alive={client.thread.is_alive()}", flush=True)
 print(f"shared context closed={get_zmq_context(use_asyncio=False).closed}", flush=True)
@@ -100,13 +110,15 @@ def close_beside_publisher() -> tuple[list[str], str]:
     """The child's lines, and how it ended."""
     from tests.conftest import PATCHES
 
-    cmd = [sys.executable, "-c", CHILD, PUBLISHER_ENDPOINT, f"lookup-close-{uuid.uuid4().hex[:8]}"]
+    cmd = [sys.executable, "-c", CHILD, PUBLISHER_ENDPOINT, f"lookup-close-{uuid.uuid4().hex[:8]}",
+           str(CLOSE_BOUND_S)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_BOUND_S, cwd=PATCHES.parent)
     except subprocess.TimeoutExpired as expired:
         out = expired.stdout.decode(errors="replace") if isinstance(expired.stdout, bytes) else (expired.stdout or "")
         return out.splitlines(), f"still running after {CHILD_BOUND_S} s"
-    ended = f"exit {done.returncode}" + (f": {done.stderr.strip().splitlines()[-1]}" if done.returncode else "")
+    last_error = (done.stderr.strip().splitlines() or [""])[-1]
+    ended = f"exit {done.returncode}" + (f": {last_error}" if done.returncode and last_error else "")
     return done.stdout.splitlines(), ended
 
 
