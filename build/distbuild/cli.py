@@ -21,6 +21,7 @@ from .paths import Layout
 from .prepare import prepare
 from .series import check_headers, load_series
 from .style import style_problems
+from .upstream_style import isort_problems
 
 
 def _client() -> IndexClient:
@@ -118,6 +119,11 @@ def cmd_lint(args: argparse.Namespace, layout: Layout) -> int:
         notice = placeholder_notice(patches)
         if notice:
             print(notice)
+    venv_python = layout.work / "venv" / "bin" / "python"
+    isort_python = str(venv_python) if venv_python.is_file() else sys.executable
+    for upstream in pins_step.upstream_names(pins):
+        if layout.tree(upstream).is_dir():
+            problems.extend(isort_problems(layout.tree(upstream), upstream, isort_python))
     style = style_problems(layout.repo, layout.work)
     problems.extend(style)
     for problem in problems:

@@ -34,8 +34,9 @@ RANKS = 2
 
 
 def _worker_ids(valkey) -> list[int]:
-    """The worker id of every key in one instance (key: model@world_size@worker_id@hash@dtype)."""
-    return sorted(int(key.decode().split("@")[-3]) for key in valkey.client().keys("*"))
+    """The worker id of every key in one instance (LMCache's key string:
+    model@world_size@worker_id@hash@dtype, then its tags, the chunk layout among them)."""
+    return sorted(int(key.decode().split("@")[2]) for key in valkey.client().keys("*"))
 
 
 @pytest.mark.engine

@@ -40,3 +40,53 @@ def test_without_ruff_the_error_says_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(DistBuildError, match=r"ruff is not installed: `make test` installs ruff==0\.17\.5"):
         style.style_problems(tmp_path, tmp_path / "work")
+
+
+def test_isort_is_pinned_to_the_revision_lmcaches_pre_commit_runs():
+    from distbuild import upstream_style
+
+    tree = ROOT / "work" / "src" / "lmcache"
+    if not (tree / upstream_style.PRE_COMMIT).is_file():
+        pytest.skip(f"{tree}: no prepared LMCache tree (make patched)")
+    pins = (ROOT / "tests" / "requirements.txt").read_text()
+    assert f"isort=={upstream_style.upstream_isort_version(tree)} " in pins
+
+
+def test_the_lmcache_series_keeps_lmcaches_import_order():
+    from distbuild import upstream_style
+
+    tree = ROOT / "work" / "src" / "lmcache"
+    if not (tree / upstream_style.PRE_COMMIT).is_file():
+        pytest.skip(f"{tree}: no prepared LMCache tree (make patched)")
+    assert upstream_style.changed_python_files(tree)
+    problems = upstream_style.isort_problems(tree, "lmcache")
+    assert not problems, "\n".join(problems)
+
+
+def test_an_import_out_of_the_upstreams_order_is_named(tmp_path):
+    """A throwaway upstream: its pre-commit runs isort, and the series adds a file whose
+    imports isort would reorder under the upstream's own settings."""
+    import subprocess
+
+    from distbuild import upstream_style
+    from distbuild.gitrepo import PRISTINE_REF
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / upstream_style.PRE_COMMIT).write_text(
+        "repos:\n- repo: https://github.com/PyCQA/isort\n  rev: 6.0.1\n  hooks:\n  - id: isort\n")
+    (tmp_path / ".isort.cfg").write_text("[settings]\nprofile=black\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "pristine")
+    git("update-ref", PRISTINE_REF, "HEAD")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "ok.py").write_text("import os\nimport sys\n")
+    (tmp_path / "pkg" / "bad.py").write_text("import sys\nimport os\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "patch")
+    assert upstream_style.upstream_isort_version(tmp_path) == "6.0.1"
+    assert upstream_style.isort_problems(tmp_path, "up") == [
+        f"isort: up: pkg/bad.py: imports not in up's order (run isort in {tmp_path}, then make export UPSTREAM=up)"]
