@@ -63,7 +63,7 @@ health: ## try the series against another release, e.g. make health UPSTREAM=lmc
 manifest: ## rewrite work/manifest.json
 	$(DIST) manifest
 
-lint: ## check the lock file and the patches' DEP-3 / Signed-off-by headers
+lint: ## check the lock file, the patches' DEP-3 / Signed-off-by headers, ruff, and the series' upstream import order
 	$(DIST) lint
 
 pin: ## add or refresh a pin: make pin SPEC=name==ver FILE=file ROLE=image [WRITE=1]; make pin REFRESH=1
