@@ -597,7 +597,7 @@ class _Phases:
             runs.append(([*engine_paths, *self.pytest_args], "engine", self.phase1_engine_log,
                          {"TMPDIR": _job_tmp(self.work, "phase-1-engine")}))
         if rest_paths:
-            runs.append(([*rest_paths, *rest_args], "", None, {}))
+            runs.append(([*rest_paths, *rest_args], "", None, {"TMPDIR": _job_tmp(self.work, "phase-1")}))
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(runs)) as pool:
             if engine_paths and rest_paths:
                 print(f"\n=== phase 1/4: the real-engine scenarios run beside the other tests "
