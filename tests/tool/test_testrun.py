@@ -75,57 +75,6 @@ def test_no_engine_leaves_out_the_engine_scenarios_even_where_a_path_names_them(
         without_engine([f"{ENGINE_TESTS}/test_protocol.py::test_x"], [])
 
 
-def test_phase_1_splits_the_engine_scenarios_from_the_rest_and_together_they_collect_everything():
-    """Phase 1's two runs side by side, given to the real pytest: the engine run collects only
-    tests/engine, the other run everything else, and together exactly what one run collects."""
-    import subprocess
-
-    from distbuild.host.testrun import ENGINE_TESTS, split_engine
-
-    repo = Path(__file__).resolve().parents[2]
-
-    def collect(args: list[str]) -> set[str]:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
-                               *args], capture_output=True, text=True, cwd=repo, timeout=300)
-        return {line for line in done.stdout.splitlines() if "::" in line}
-
-    given = ["tests/tool/test_testrun.py", "tests/engine/test_harness.py", "tests/engine"]
-    engine, rest, rest_args = split_engine(given, ["-q"])
-    assert engine == ["tests/engine/test_harness.py", "tests/engine"] and rest == ["tests/tool/test_testrun.py"]
-    assert rest_args == ["-q", f"--ignore={ENGINE_TESTS}"]
-    engine, rest, rest_args = split_engine(["tests/tool", "tests"], [])
-    assert engine == [ENGINE_TESTS] and rest == ["tests/tool", "tests"]
-    whole = collect(["tests/tool", "tests/engine"])
-    engine_part = collect(split_engine(["tests/tool", "tests/engine"], [])[0])
-    _, rest, rest_args = split_engine(["tests/tool", "tests/engine"], [])
-    rest_part = collect([*rest, *rest_args])
-    assert engine_part and all(node.startswith("tests/engine/") for node in engine_part)
-    assert rest_part and not any(node.startswith("tests/engine/") for node in rest_part)
-    assert engine_part | rest_part == whole and not engine_part & rest_part
-    assert split_engine(["tests/lmcache"], ["-q"]) == ([], ["tests/lmcache"], ["-q"])
-    assert split_engine(["tests/engine/test_tp2.py::test_x"], ["-q"]) == (
-        ["tests/engine/test_tp2.py::test_x"], [], ["-q"])
-
-
-def test_phase_1_runs_side_by_side_merge_into_one_outcome_and_one_proof_map(tmp_path):
-    engine = testrun.Outcome(passed={"tests.engine.t::a"}, seconds={"tests.engine.t::a": 40.0})
-    rest = testrun.Outcome(failed={"tests.tool.t::b"}, returncode=1, seconds={"tests.tool.t::b": 1.0})
-    merged = testrun.merge_outcomes([engine, rest])
-    assert merged.passed == {"tests.engine.t::a"} and merged.failed == {"tests.tool.t::b"}
-    assert merged.returncode == 1 and merged.seconds["tests.engine.t::a"] == 40.0
-    nothing = testrun.Outcome(returncode=testrun.NO_TESTS_COLLECTED)
-    assert testrun.merge_outcomes([nothing, testrun.Outcome(passed={"x::y"})]).returncode == 0
-    assert testrun.merge_outcomes([nothing, nothing]).returncode == testrun.NO_TESTS_COLLECTED
-    (tmp_path / "a.json").write_text('{"0002.patch": ["tests/engine/test_l2_loss.py"]}')
-    (tmp_path / "b.json").write_text('{"0002.patch": ["tests/lmcache/test_0002.py"], "0005.patch": ["t.py"]}')
-    merged_map = testrun.merge_proof_maps([tmp_path / "a.json", tmp_path / "b.json", tmp_path / "absent.json"])
-    assert merged_map == {"0002.patch": ["tests/engine/test_l2_loss.py", "tests/lmcache/test_0002.py"],
-                          "0005.patch": ["t.py"]}
-    testrun.write_proof_map(tmp_path / "proof-map.json", merged_map)
-    assert testrun.read_proof_map(tmp_path / "proof-map.json") == merged_map
-    assert not list(tmp_path.glob("*.partial"))
-
-
 def test_the_summary_names_the_slowest_tests_of_every_run(tmp_path):
     """CI's summary lists the ten slowest tests by junit's own times, each with its run."""
     junit = tmp_path / "junit.xml"
@@ -149,7 +98,7 @@ def test_phase_4_names_a_regression_and_the_log_that_shows_it(tmp_path, capsys):
     problems = testrun.judge_peer(run, tmp_path)
     assert len(problems) == 1 and "1 upstream test(s)" in problems[0] and "tests.b::t" in problems[0]
     assert str(tmp_path / "logs" / "phase-4-patched.log") in problems[0]
-    assert "ran beside the other phases, 1.5 min" in capsys.readouterr().out
+    assert "ran beside phases 2 and 3, 1.5 min" in capsys.readouterr().out
     assert (tmp_path / "test-results" / "peer-pristine-passed.txt").read_text() == "tests.a::t\ntests.b::t\n"
 
 

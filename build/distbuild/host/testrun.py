@@ -2,9 +2,7 @@
 peer suite (LMCache's own CPU tests) against the patched one.
 
 Phases:
-1. ``patched``: every project test with the patched build (must pass), as
-   two pytest runs side by side: the real-engine scenarios (``tests/engine``)
-   and the rest.
+1. ``patched``: every project test with the patched build (must pass).
 2. ``pristine``: only ``@pytest.mark.fixes`` tests, with the pristine build,
    as strict xfail: each proof must fail there (the proof that a patch fixes
    something runs in CI).
@@ -18,9 +16,9 @@ Phases:
 4. ``peer``: LMCache's own CPU tests listed in ``tests/peer/suite.txt``,
    against a real Valkey, first with the pristine build, then with the
    patched build (plus the upstream-style test files the series adds); every
-   test that passes on pristine must pass on patched. It starts with phase 1
-   and runs beside the others (all of them mostly wait on servers, engine
-   starts and timeouts), its output in ``work/logs/phase-4-*.log``.
+   test that passes on pristine must pass on patched. It runs beside phases
+   2 and 3 (all three mostly wait on servers and timeouts), its output in
+   ``work/logs/phase-4-*.log``.
 
 The closing summary gives each phase's minutes and the slowest ten tests, so
 a regression in time shows in CI's own output.
@@ -440,10 +438,10 @@ def rerun_regressed(python: Path, nodes: set[str], root: Path, junit: Path, env:
 def run_peer_suite(python: Path, work: Path, tree: Path, args: list[str],
                    pristine_env: dict[str, str], patched_env: dict[str, str]) -> PeerRun:
     """Phase 4: LMCache's own CPU tests on the pristine build, then on the patched build with the test
-    files the series adds. Its output goes to logs: it runs beside the other phases."""
+    files the series adds. Its output goes to logs: it runs beside phases 2 and 3."""
     junit, logs = work / "test-results", work / "logs"
     t0 = time.monotonic()
-    print(f"\n=== phase 4/4: LMCache's own CPU tests, beside the other phases (logs: {logs}/phase-4-*.log)",
+    print(f"\n=== phase 4/4: LMCache's own CPU tests, beside phases 2 and 3 (logs: {logs}/phase-4-*.log)",
           flush=True)
     with peer_valkey(python, work) as services:
         pristine_dir = peer_tests_dir(tree, work, "pristine", PRISTINE_REF)
@@ -486,62 +484,11 @@ def judge_peer(run: PeerRun, work: Path) -> list[str]:
     if ours_failed:
         problems.append(f"phase 4: {len(ours_failed)} test(s) the series adds to LMCache's tests/ fail on "
                         "patched: " + ", ".join(ours_failed[:10]) + f" (log: {work / 'logs' / 'phase-4-patched.log'})")
-    print(f"\n=== phase 4/4 (ran beside the other phases, {run.seconds / 60:.1f} min): {len(base.passed)} passed on "
+    print(f"\n=== phase 4/4 (ran beside phases 2 and 3, {run.seconds / 60:.1f} min): {len(base.passed)} passed on "
           f"pristine ({len(base.failed)} failed, {len(base.skipped)} skipped; list in {record}); "
           f"{len(base.passed & peer.passed)} of those pass on patched; patched adds "
           f"{len(peer.passed - base.passed)} passing test(s) from {len(run.added)} new file(s)", flush=True)
     return problems
-
-
-def split_engine(paths: list[str], pytest_args: list[str]) -> tuple[list[str], list[str], list[str]]:
-    """(engine paths, other paths, the other run's pytest arguments): the paths under
-    tests/engine, or tests/engine itself where a path holds it, and the rest without them."""
-    engine = Path(ENGINE_TESTS)
-    engine_paths: list[str] = []
-    rest: list[str] = []
-    for path in paths:
-        where = Path(path.split("::")[0])
-        if where == engine or engine in where.parents:
-            found = [path]
-        else:
-            rest.append(path)
-            found = [ENGINE_TESTS] if engine.is_relative_to(where) else []
-        engine_paths += [p for p in found if p not in engine_paths]
-    if not rest:
-        return engine_paths, [], pytest_args
-    return engine_paths, rest, ([*pytest_args, f"--ignore={ENGINE_TESTS}"] if engine_paths else pytest_args)
-
-
-NO_TESTS_COLLECTED = 5   # pytest's exit code when a run selects nothing
-
-
-def merge_outcomes(outcomes: list[Outcome]) -> Outcome:
-    """One outcome of runs side by side. Its return code is the first that is not 0; a run that
-    selected nothing (a marker no engine scenario carries) fails the whole only if every run did."""
-    merged = Outcome()
-    for outcome in outcomes:
-        for state in ("passed", "failed", "skipped", "xfailed"):
-            getattr(merged, state).update(getattr(outcome, state))
-        merged.seconds.update(outcome.seconds)
-    codes = [o.returncode for o in outcomes]
-    ran = [code for code in codes if code != NO_TESTS_COLLECTED]
-    merged.returncode = next((code for code in ran if code), 0) if ran else NO_TESTS_COLLECTED
-    return merged
-
-
-def merge_proof_maps(paths: list[Path]) -> dict[str, list[str]]:
-    """The proof maps of phase 1's runs as one: {variant: test files holding its proofs}."""
-    merged: dict[str, set[str]] = {}
-    for path in paths:
-        for variant, files in read_proof_map(path).items():
-            merged.setdefault(variant, set()).update(files)
-    return {variant: sorted(files) for variant, files in sorted(merged.items())}
-
-
-def write_proof_map(path: Path, proof_map: dict[str, list[str]]) -> None:
-    staging = path.with_name(path.name + ".partial")
-    staging.write_text(json.dumps(proof_map, indent=1))
-    os.replace(staging, path)
 
 
 def without_engine(paths: list[str], pytest_args: list[str]) -> tuple[list[str], list[str]]:
@@ -586,53 +533,22 @@ class _Phases:
         return self.work / "logs" / "phase-2-pristine-proofs.log"
 
     def run_phase_1(self) -> None:
-        """Phase 1 collects every test; it writes which files hold each patch's proofs for phase 3.
-        The real-engine scenarios run as a pytest of their own beside the other tests: both mostly
-        wait (engine starts, image builds, servers), and one after the other they took 22 minutes."""
+        """Phase 1 collects every test; it writes which files hold each patch's proofs for phase 3."""
         self.proof_map.unlink(missing_ok=True)
         t0 = time.monotonic()
-        engine_paths, rest_paths, rest_args = split_engine(self.paths, self.pytest_args)
-        runs: list[tuple[list[str], str, Path | None, dict[str, str]]] = []
-        if engine_paths:
-            runs.append(([*engine_paths, *self.pytest_args], "engine", self.phase1_engine_log,
-                         {"TMPDIR": _job_tmp(self.work, "phase-1-engine")}))
-        if rest_paths:
-            runs.append(([*rest_paths, *rest_args], "", None, {"TMPDIR": _job_tmp(self.work, "phase-1")}))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(runs)) as pool:
-            if engine_paths and rest_paths:
-                print(f"\n=== phase 1/4: the real-engine scenarios run beside the other tests "
-                      f"(log: {self.phase1_engine_log})", flush=True)
-            futures = [pool.submit(self._phase_1_run, args, part, log, env) for args, part, log, env in runs]
-            outcomes = [future.result() for future in futures]
-        patched = merge_outcomes(outcomes)
-        write_proof_map(self.proof_map, merge_proof_maps([self._part_proof_map(part) for _, part, _, _ in runs]))
-        if engine_paths and rest_paths:
-            print(f"\n=== phase 1/4, the real-engine scenarios (ran beside the other tests): the end of its log:\n"
-                  f"{_log_tail(self.phase1_engine_log, 200 if outcomes[0].returncode else 40)}", flush=True)
+        patched = run_pytest(self.python, [*self.paths, *self.pytest_args], self.repo, self.junit / "patched.xml",
+                             {**self.patched_env, "DIST_PROOF_MAP": str(self.proof_map),
+                              "TMPDIR": _job_tmp(self.work, "phase-1")},
+                             "phase 1/4: project tests, patched LMCache")
         self.results["patched"] = patched
         self.seconds["1"] = time.monotonic() - t0
         if patched.returncode != 0:
             self.problems.append(f"phase 1: {len(patched.failed)} project test(s) failed on the patched tree"
                                  + _names(patched.failed))
 
-    @property
-    def phase1_engine_log(self) -> Path:
-        return self.work / "logs" / "phase-1-engine.log"
-
-    def _part_proof_map(self, part: str) -> Path:
-        return self.junit / (f"proof-map-{part}.json" if part else "proof-map-rest.json")
-
-    def _phase_1_run(self, args: list[str], part: str, log: Path | None, env: dict[str, str]) -> Outcome:
-        name = f"patched-{part}" if part else "patched"
-        label = "phase 1/4: " + ("the real-engine scenarios" if part else "project tests") + ", patched LMCache"
-        self._part_proof_map(part).unlink(missing_ok=True)
-        return run_pytest(self.python, args, self.repo, self.junit / f"{name}.xml",
-                          {**self.patched_env, **env, "DIST_PROOF_MAP": str(self._part_proof_map(part))},
-                          label, log)
-
     def start_peer_suite(self, peer: bool) -> concurrent.futures.Future[PeerRun] | None:
-        """Phase 4 in a thread of its own, from the start beside the other phases: all of them mostly
-        wait on servers, engine starts and timeouts. None when it does not run (its reason is a problem)."""
+        """Phase 4 in a thread of its own, beside phases 2 and 3: all of them mostly wait on servers and
+        timeouts. None when it does not run (its reason is a problem)."""
         suite = read_list(self.repo / "tests" / "peer" / "suite.txt")
         peer_future: concurrent.futures.Future[PeerRun] | None = None
         peer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -717,7 +633,7 @@ class _Phases:
         passed, failed, skipped = self.totals()
         proofs = results["pristine"]
         left = results.get("leave-one-out", Outcome())
-        timed = ", ".join(f"phase {n} {t / 60:.1f} min" + (" beside them" if n == "4" else "")
+        timed = ", ".join(f"phase {n} {t / 60:.1f} min" + (" beside 2+3" if n == "4" else "")
                           for n, t in self.seconds.items())
         print(f"\nsummary ({timed}; {(time.monotonic() - started) / 60:.1f} min in all):")
         print(f"  phase 1 project tests (patched): {len(results['patched'].passed)} passed, "
@@ -762,8 +678,8 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
     phases = _Phases(repo, work, python, tree, envs, extra_env, paths, [a for a in pytest_args if a != "--"],
                      patched_env, pristine_env, problems)
     started = time.monotonic()
-    peer_future = phases.start_peer_suite(peer)
     phases.run_phase_1()
+    peer_future = phases.start_peer_suite(peer)
     proofs = phases.run_phases_2_and_3(leave_one_out)
     phases.judge_phase_2(proofs)
     if peer_future is not None:
