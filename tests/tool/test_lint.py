@@ -90,3 +90,26 @@ def test_an_import_out_of_the_upstreams_order_is_named(tmp_path):
     assert upstream_style.upstream_isort_version(tmp_path) == "6.0.1"
     assert upstream_style.isort_problems(tmp_path, "up") == [
         f"isort: up: pkg/bad.py: imports not in up's order (run isort in {tmp_path}, then make export UPSTREAM=up)"]
+
+
+def test_without_isort_the_error_says_how_to_get_it(tmp_path):
+    """A python that lacks isort: the check stops, naming the pin `make test` installs."""
+    import subprocess
+
+    from distbuild import upstream_style
+    from distbuild.gitrepo import PRISTINE_REF
+
+    (tmp_path / upstream_style.PRE_COMMIT).write_text("repos:\n- repo: https://github.com/PyCQA/isort\n  rev: 6.0.1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "pristine"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "update-ref", PRISTINE_REF, "HEAD"], cwd=tmp_path, check=True)
+    (tmp_path / "a.py").write_text("import os\n")
+    subprocess.run([*git, "add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "patch"], cwd=tmp_path, check=True)
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 'No module named isort' >&2\nexit 1\n")
+    python.chmod(0o755)
+    with pytest.raises(DistBuildError, match=r"isort did not run .*installs isort==6\.0\.1"):
+        upstream_style.isort_problems(tmp_path, "up", str(python))
