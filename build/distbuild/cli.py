@@ -265,7 +265,7 @@ def _left_out_site_builder(layout: Layout, python: Path):
 
 
 def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
-    from .host import stress, testrun
+    from .host import peerstore, stress, testrun
 
     from .toolchain import ensure_toolchain
 
@@ -278,7 +278,8 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
         returncode = testrun.run_all(layout.repo, layout.work, python, envs, layout.tree("lmcache"), args.pytest_args,
                                      extra_env={"DIST_CUDA_HOME": str(cuda), "DIST_REQUIRE_VLLM_WHEEL": "1"},
                                      paths=args.paths, peer=not args.no_peer, leave_one_out=leave_one_out,
-                                     engine=not args.no_engine)
+                                     engine=not args.no_engine,
+                                     peer_store=peerstore.PeerStore(layout.peer_results))
     stress.record_load(layout.work / "test-results", args.hog)
     if args.hog:
         return stress.report(layout.work, baseline) or returncode

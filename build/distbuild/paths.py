@@ -49,6 +49,11 @@ class Layout:
         return self.shared_cache / "wheels" if self.shared_cache else self.work / "wheels"
 
     @property
+    def peer_results(self) -> Path:
+        """Phase 4's kept results, by the key of what they depend on (host/peerstore.py)."""
+        return self.shared_cache / "peer-results" if self.shared_cache else self.work / "peer-results"
+
+    @property
     def src(self) -> Path:
         return self.work / "src"
 

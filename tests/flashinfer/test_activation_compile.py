@@ -40,9 +40,11 @@ not inspected beyond ptxas' summary (no cuobjdump in the toolchain).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -76,6 +78,25 @@ def toolchain():
     return cuda, patched
 
 
+# nvcc compiles one file on one core: phase 1 of make test runs one test at a time, so the six
+# compiles of the builds fixture go two at a time.
+COMPILE_JOBS = min(2, os.cpu_count() or 1)
+
+
+def _compile(cuda, flags, sources, src: Path, arch: str, out: Path) -> tuple[tuple[str, str], dict]:
+    """One tree's activation kernels for one arch: ptxas stats and PTX functions."""
+    tag = f"{sources.name}-{arch}"
+    keep = out / tag
+    keep.mkdir()
+    log = ab.nvcc(cuda, [*flags.for_arch(arch), *ab.include_flags(sources, cuda),
+                         "-cubin", "-Xptxas", "-v", "--keep", f"--keep-dir={keep}",
+                         "-o", str(out / f"{tag}.cubin"), str(src)], out / f"{tag}.log")
+    stats = {name: s for name, s in ab.ptxas_stats(log).items() if "10activation" in name}
+    if not stats:
+        pytest.fail(f"{tag}: ptxas -v reported no activation kernels; see {out / (tag + '.log')}")
+    return (sources.name, arch), {"stats": stats, "ptx": ab.ptx_functions((keep / f"{src.stem}.ptx").read_text())}
+
+
 @pytest.fixture(scope="module")
 def builds(toolchain, tmp_path_factory):
     """(tree, arch) -> {"stats": ptxas stats of activation kernels, "ptx": name -> PTX}."""
@@ -85,7 +106,7 @@ def builds(toolchain, tmp_path_factory):
     flags = ab.jit_nvcc_flags(patched.tree)
     pristine_src = out / "pristine_activation_part.cu"
     pristine_src.write_text(ab.activation_part(pristine.text(ab.DEV_KERNEL)))
-    result = {}
+    compiles = []
     for arch in ARCHS:
         patched_src = patched.path(ab.DEV_KERNEL)
         if arch == "sm_90a":
@@ -93,18 +114,9 @@ def builds(toolchain, tmp_path_factory):
             # build, of its variant (activation_build.harness_variant), cut like the pristine file.
             patched_src = out / "patched_sm_90a_activation_part.cu"
             patched_src.write_text(ab.harness_variant(ab.activation_part(patched.text(ab.DEV_KERNEL)), arch))
-        for sources, src in ((patched, patched_src), (pristine, pristine_src)):
-            tag = f"{sources.name}-{arch}"
-            keep = out / tag
-            keep.mkdir()
-            log = ab.nvcc(cuda, [*flags.for_arch(arch), *ab.include_flags(sources, cuda),
-                                 "-cubin", "-Xptxas", "-v", "--keep", f"--keep-dir={keep}",
-                                 "-o", str(out / f"{tag}.cubin"), str(src)], out / f"{tag}.log")
-            stats = {name: s for name, s in ab.ptxas_stats(log).items() if "10activation" in name}
-            ptx = ab.ptx_functions((keep / f"{src.stem}.ptx").read_text())
-            if not stats:
-                pytest.fail(f"{tag}: ptxas -v reported no activation kernels; see {out / (tag + '.log')}")
-            result[(sources.name, arch)] = {"stats": stats, "ptx": ptx}
+        compiles += [(patched, patched_src, arch), (pristine, pristine_src, arch)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=COMPILE_JOBS) as pool:
+        result = dict(pool.map(lambda job: _compile(cuda, flags, *job, out), compiles))
     report = {
         "flags": {arch: flags.for_arch(arch) for arch in ARCHS},
         "kernels": {f"{tree}/{arch}": {ab.short_name(n): s for n, s in sorted(b["stats"].items())}

