@@ -30,13 +30,17 @@ and the measurements they come from: ``cellsim_defaults``):
   broadcast and the copies). **Asynchronous** loading starts a prefetch on
   arrival and makes the request ready when it completes, or after
   ``async_timeout_s``, whichever is first; the step then spends the engine
-  time on the prefetched chunks. On a timeout the whole prompt is recomputed
+  time on the prefetched chunks (``async_load_path`` "step"), or the prefetch
+  spends it before the request is ready ("prefetch": "a slow load delays only
+  its own request, while the engine keeps running others"). On a timeout the whole prompt is recomputed
   while the prefetch keeps running (an *orphan*: its GETs still occupy the
   instances), up to ``orphan_cap`` orphans per pod; the prefetch of a request
   that times out beyond the cap is cancelled.
-- **GPU work** of a step is its uncached tokens at ``prefill_tokens_per_s``
-  plus ``gpu_step_s`` per step; the loads, the engine's load path and a
-  frozen pod's wait are not GPU work.
+- **GPU work** of a step is its uncached tokens at ``prefill_tokens_per_s``,
+  ``gpu_load_s_per_chunk`` for each chunk any of its requests loaded (the
+  sharded load is "one broadcast per chunk from its owner", a collective on
+  the GPUs, inside the step), plus ``gpu_step_s`` per step; the GETs, the
+  engine's load path and a frozen pod's wait are not GPU work.
 - **Stores**: after its step a request SETs, in the background, the chunks
   past what its lookup reported (LMCache saves from there): the chunks not in
   L2, or after a timeout (0 reported) the whole prompt.
@@ -66,6 +70,7 @@ class Outcome:
     first_token_s: float | None = None
     timed_out: bool = False  # async: the lookup timeout fired and the prompt was recomputed
     load_s: float = 0.0  # sync: the load inside the step; async: the prefetch (or the timeout)
+    gets_s: float = 0.0  # async: the prefetch's GETs alone (0 after a timeout)
     batch: int = 0  # requests in the step that gave the first token
 
     @property
@@ -171,9 +176,10 @@ class _Cell:
             tokens += more
         return batch
 
-    def gpu_work(self, pod: int, tokens: int):
+    def gpu_work(self, pod: int, tokens: int, loaded_chunks: int):
         sub_steps = max(1, math.ceil(tokens / self.config.step_tokens))
-        seconds = self.config.compute_s(tokens) + sub_steps * self.config.gpu_step_s
+        seconds = (self.config.compute_s(tokens) + sub_steps * self.config.gpu_step_s
+                   + loaded_chunks * self.config.gpu_load_s_per_chunk)
         start = self.env.now
         if seconds > 0:
             yield self.env.timeout(seconds)
@@ -204,7 +210,8 @@ class _Cell:
             batch = self.take_batch(pod, lambda o: self.uncached(o.arrival))
             for outcome in batch:
                 yield from self.sync_load(outcome)
-            yield from self.gpu_work(pod, sum(self.uncached(o.arrival) for o in batch))
+            loaded = sum(self.hit_chunks(o.arrival) for o in batch)
+            yield from self.gpu_work(pod, sum(self.uncached(o.arrival) for o in batch), loaded)
             self.finish(batch)
 
     # -- asynchronous loading: prefetch on arrival, the step only copies what was fetched ------
@@ -213,10 +220,11 @@ class _Cell:
             if not self.queues[pod].items:
                 yield self.queues[pod].arrival()
             batch: list[_Ready] = self.take_batch(pod, lambda r: r.tokens)
-            engine_s = sum(r.loaded_chunks for r in batch) * self.config.engine_load_s_per_chunk
+            loaded = sum(r.loaded_chunks for r in batch)
+            engine_s = loaded * self.config.engine_load_s_per_chunk if self.config.async_load_path == "step" else 0.0
             if engine_s > 0:
                 yield self.env.timeout(engine_s)
-            yield from self.gpu_work(pod, sum(r.tokens for r in batch))
+            yield from self.gpu_work(pod, sum(r.tokens for r in batch), loaded)
             self.finish([r.outcome for r in batch])
 
     def async_lookup(self, outcome: Outcome):
@@ -229,7 +237,7 @@ class _Cell:
             return
         start = self.env.now
         streams = self.transfer(outcome.pod, 0, chunks)
-        prefetch = self.env.all_of([s.done for s in streams])
+        prefetch = self.env.process(self.prefetch(outcome, streams, chunks))
         yield prefetch | self.env.timeout(self.config.async_timeout_s)
         if prefetch.triggered:
             outcome.load_s = self.env.now - start
@@ -246,6 +254,16 @@ class _Cell:
         self.orphans[outcome.pod] += 1
         yield prefetch
         self.orphans[outcome.pod] -= 1
+
+    def prefetch(self, outcome: Outcome, streams: list[Stream], chunks: int):
+        """The prefetch: its GETs, then (``async_load_path`` "prefetch") the engine's load path of its chunks."""
+        start = self.env.now
+        yield self.env.all_of([s.done for s in streams])
+        gets_s = self.env.now - start
+        if gets_s <= self.config.async_timeout_s:
+            outcome.gets_s = gets_s
+        if self.config.async_load_path == "prefetch" and self.config.engine_load_s_per_chunk > 0:
+            yield self.env.timeout(chunks * self.config.engine_load_s_per_chunk)
 
     def source(self, outcomes: list[Outcome]):
         for outcome in outcomes:
