@@ -10,6 +10,7 @@ from kvsizing import geometry
 
 from . import cellsim_defaults as defaults
 from . import gates as gate_rules
+from .cellsim_config import LOAD_PATHS
 from .common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -107,9 +108,10 @@ def _add_engine_options(cell: argparse._ArgumentGroup) -> None:
     cell.add_argument("--engine-load-ms", type=non_negative_float, default=defaults.ENGINE_LOAD_S_PER_CHUNK * 1000,
                       metavar="MS", help="the engine's own time per loaded chunk (write-up: the 8-shard median "
                                          "hit ~0.1 s over recompute)")
-    cell.add_argument("--async-load-path", choices=("step", "prefetch"), default=defaults.ASYNC_LOAD_PATH,
+    cell.add_argument("--async-load-path", choices=LOAD_PATHS, default=defaults.ASYNC_LOAD_PATH,
                       help="async loading: where the engine's time per loaded chunk is spent, in the step (holding "
-                           "the pod) or in the request's background prefetch")
+                           "the pod), in the request's background prefetch, or in the pod's one background loader "
+                           "(prefetches in turn, outside the step)")
     cell.add_argument("--gpu-load-ms", type=non_negative_float, default=defaults.GPU_LOAD_S_PER_CHUNK * 1000,
                       metavar="MS", help="GPU work per loaded chunk, inside the step (the per-chunk broadcast; "
                                          "write-up: GPUs 7%% busy in the sync runaway)")

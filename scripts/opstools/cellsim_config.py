@@ -11,7 +11,7 @@ from . import cellsim_defaults as defaults
 
 STORES = ("sharded", "rank0")
 LOADINGS = ("sync", "async")
-LOAD_PATHS = ("prefetch", "step")
+LOAD_PATHS = ("prefetch", "step", "loader")
 
 
 @dataclass(frozen=True)

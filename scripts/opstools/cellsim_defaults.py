@@ -28,8 +28,10 @@ measurement; they build on each other in this order.
 - ``ASYNC_LOAD_PATH`` "step": with async loading that engine time is spent in
   the step, holding the pod (with "prefetch" it is spent in the request's
   background prefetch: "a slow load delays only its own request, while the
-  engine keeps running others"). The write-up does not say which part of
-  the load path runs where; "step" is the pessimistic end.
+  engine keeps running others"; with "loader" the pod's one background
+  loader spends it, the prefetches in turn, outside the step). The write-up
+  does not say which part of the load path runs where; "step" is the
+  pessimistic end.
 - ``GET_CONTENTION`` 0.5%: one instance loaded a 16k prompt (64 chunks, all
   eight ranks reading it) in 0.83-0.89 s. At the midpoint 0.86 s that is
   13.4 ms per chunk; less the engine's 4.2 ms, 9.2 ms per GET with eight

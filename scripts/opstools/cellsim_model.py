@@ -32,7 +32,9 @@ and the measurements they come from: ``cellsim_defaults``):
   ``async_timeout_s``, whichever is first; the step then spends the engine
   time on the prefetched chunks (``async_load_path`` "step"), or the prefetch
   spends it before the request is ready ("prefetch": "a slow load delays only
-  its own request, while the engine keeps running others"). On a timeout the whole prompt is recomputed
+  its own request, while the engine keeps running others"), or the pod's one
+  background loader spends it, prefetch after prefetch, outside the step
+  ("loader"). On a timeout the whole prompt is recomputed
   while the prefetch keeps running (an *orphan*: its GETs still occupy the
   instances), up to ``orphan_cap`` orphans per pod; the prefetch of a request
   that times out beyond the cap is cancelled.
@@ -143,6 +145,7 @@ class _Cell:
     gpu_busy: list[list[tuple[float, float]]] = field(default_factory=list)
     queues: list[_Waiting] = field(default_factory=list)
     orphans: list[int] = field(default_factory=list)
+    loaders: list[simpy.Resource] = field(default_factory=list)
     steps: int = 0
 
     def transfer(self, pod: int, first_chunk: int, chunks: int) -> list[Stream]:
@@ -256,14 +259,22 @@ class _Cell:
         self.orphans[outcome.pod] -= 1
 
     def prefetch(self, outcome: Outcome, streams: list[Stream], chunks: int):
-        """The prefetch: its GETs, then (``async_load_path`` "prefetch") the engine's load path of its chunks."""
+        """The prefetch: its GETs, then the engine's load path of its chunks on its own (``async_load_path``
+        "prefetch") or in its turn at the pod's loader ("loader")."""
         start = self.env.now
         yield self.env.all_of([s.done for s in streams])
         gets_s = self.env.now - start
         if gets_s <= self.config.async_timeout_s:
             outcome.gets_s = gets_s
-        if self.config.async_load_path == "prefetch" and self.config.engine_load_s_per_chunk > 0:
-            yield self.env.timeout(chunks * self.config.engine_load_s_per_chunk)
+        engine_s = chunks * self.config.engine_load_s_per_chunk
+        if engine_s <= 0 or self.config.async_load_path == "step":
+            return
+        if self.config.async_load_path == "prefetch":
+            yield self.env.timeout(engine_s)
+            return
+        with self.loaders[outcome.pod].request() as turn:  # a timed-out prefetch, run on, takes its turn too
+            yield turn
+            yield self.env.timeout(engine_s)
 
     def source(self, outcomes: list[Outcome]):
         for outcome in outcomes:
@@ -285,6 +296,7 @@ def simulate(config: CellConfig, arrivals: Sequence[Arrival]) -> SimResult:
     cell.gpu_busy = [[] for _ in range(config.pods)]
     cell.queues = [_Waiting(env) for _ in range(config.pods)]
     cell.orphans = [0] * config.pods
+    cell.loaders = [simpy.Resource(env, capacity=1) for _ in range(config.pods)]
     ordered = sorted(arrivals, key=lambda a: a.arrival_s)
     outcomes = [Outcome(arrival, index % config.pods) for index, arrival in enumerate(ordered)]
     for pod in range(config.pods):

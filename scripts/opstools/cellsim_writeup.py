@@ -59,8 +59,9 @@ STEEP_END = ("a service time that grows with the backlog: at a constant service 
              "so its GETs never compete more")
 POD_BURSTS = ("where the engine's load path (0.27 s per hit) is spent under async loading, which the write-up does "
               "not say: in the step, holding the pod (async_load_path 'step', the default), Poisson bursts queue "
-              "behind it (1.45 s); in the prefetch ('prefetch') the pod is free and p99 is 0.48 s; or the run's "
-              "original send times")
+              "behind it (1.45 s); in the pod's one background loader ('loader') they queue there instead (0.92 s); "
+              "in each prefetch on its own ('prefetch') nothing queues and p99 is 0.48 s; or the run's original "
+              "send times")
 
 
 @dataclass(frozen=True)

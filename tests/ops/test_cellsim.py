@@ -121,6 +121,18 @@ def test_async_loading_spends_the_engine_path_in_the_step_or_in_the_prefetch():
         CellConfig(async_load_path="gpu").validate()
 
 
+def test_the_pods_loader_runs_the_prefetches_engine_path_in_turn_outside_the_step():
+    # two hits sent together: their GETs queue per rank (0.08 s, 0.16 s), then the pod's one loader spends 63 x 4 ms
+    # on each in turn; the steps (256 tokens each) do not wait for it
+    common = dict(shards=8, loading="async", get_s=0.01, prefill_tokens_per_s=PROMPT / 0.31, store_new_chunks=False,
+                  **{**BARE, "engine_load_s_per_chunk": 0.004})
+    outcomes = simulate(CellConfig(async_load_path="loader", **common),
+                        [Arrival(0.0, PROMPT, PROMPT - 256), Arrival(0.0, PROMPT, PROMPT - 256)]).outcomes
+    assert [o.ttft_s for o in outcomes] == [pytest.approx(0.08 + 63 * 0.004 + 0.31 / 64),
+                                            pytest.approx(0.08 + 2 * 63 * 0.004 + 0.31 / 64)]
+    assert [o.gets_s for o in outcomes] == [pytest.approx(0.08), pytest.approx(0.16)]
+
+
 def test_a_step_batches_the_waiting_requests_within_its_budgets():
     # the first request freezes the pod for 63 x 0.1 s; three more arrive meanwhile and share the next step
     config = CellConfig(shards=1, store="rank0", get_s=0.1, chunk_tokens=256, store_new_chunks=False, **BARE)
