@@ -10,6 +10,7 @@ from kvsizing import geometry
 
 from . import cellsim_defaults as defaults
 from . import gates as gate_rules
+from .cellsim_config import LOAD_PATHS
 from .common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -105,11 +106,17 @@ def _add_valkey_options(cell: argparse._ArgumentGroup) -> None:
 
 def _add_engine_options(cell: argparse._ArgumentGroup) -> None:
     cell.add_argument("--engine-load-ms", type=non_negative_float, default=defaults.ENGINE_LOAD_S_PER_CHUNK * 1000,
-                      metavar="MS", help="the engine's own time per loaded chunk, inside the step (write-up: the "
-                                         "8-shard median hit ~0.1 s over recompute)")
+                      metavar="MS", help="the engine's own time per loaded chunk (write-up: the 8-shard median "
+                                         "hit ~0.1 s over recompute)")
+    cell.add_argument("--async-load-path", choices=LOAD_PATHS, default=defaults.ASYNC_LOAD_PATH,
+                      help="async loading: where the engine's time per loaded chunk is spent, in the step (holding "
+                           "the pod), in the request's background prefetch, or in the pod's one background loader "
+                           "(prefetches in turn, outside the step)")
+    cell.add_argument("--gpu-load-ms", type=non_negative_float, default=defaults.GPU_LOAD_S_PER_CHUNK * 1000,
+                      metavar="MS", help="GPU work per loaded chunk, inside the step (the per-chunk broadcast; "
+                                         "write-up: GPUs 7%% busy in the sync runaway)")
     cell.add_argument("--gpu-step-ms", type=non_negative_float, default=defaults.GPU_STEP_S * 1000, metavar="MS",
-                      help="GPU work per step besides computing its tokens (write-up: GPUs 7%% busy in the sync "
-                           "runaway)")
+                      help="GPU work per step besides computing its tokens and its loaded chunks' (default 0)")
     cell.add_argument("--step-tokens", type=positive_int, default=defaults.STEP_TOKENS,
                       help="tokens computed per step at most (the preset's max-num-batched-tokens)")
     cell.add_argument("--step-requests", type=positive_int, default=defaults.STEP_REQUESTS,
@@ -192,7 +199,8 @@ def cell_config(args: argparse.Namespace, pods: int, shards: int):
     config = CellConfig(
         pods=pods, ranks=args.ranks, shards=shards, store=args.store, loading=args.loading, get_s=get_s(args),
         get_contention=args.get_contention, engine_load_s_per_chunk=args.engine_load_ms / 1000,
-        gpu_step_s=args.gpu_step_ms / 1000, step_tokens=args.step_tokens, step_requests=args.step_requests,
+        gpu_step_s=args.gpu_step_ms / 1000, gpu_load_s_per_chunk=args.gpu_load_ms / 1000,
+        async_load_path=args.async_load_path, step_tokens=args.step_tokens, step_requests=args.step_requests,
         chunk_tokens=args.chunk_tokens, prefill_tokens_per_s=args.recompute_tokens / args.recompute_s,
         async_timeout_s=args.async_timeout, orphan_cap=args.orphan_cap, lost_shards=tuple(args.lost_shards))
     try:
@@ -237,8 +245,9 @@ def describe(config, args: argparse.Namespace) -> str:
     lost = f", shard(s) {','.join(map(str, config.lost_shards))} down" if config.lost_shards else ""
     return (f"cell: {config.pods} pod(s) x {config.ranks} ranks, {config.shards} shard(s){lost}, {config.store} "
             f"store, {config.loading} loading, {config.get_s * 1000:.2f} ms per GET (+{config.get_contention:.1%} "
-            f"per further client), engine {config.engine_load_s_per_chunk * 1000:.2f} ms per loaded chunk, GPU "
-            f"{config.gpu_step_s * 1000:.0f} ms per step, recompute "
+            f"per further client), engine {config.engine_load_s_per_chunk * 1000:.2f} ms per loaded chunk "
+            f"(async: in the {config.async_load_path}), GPU {config.gpu_load_s_per_chunk * 1000:.2f} ms per loaded "
+            f"chunk and {config.gpu_step_s * 1000:.0f} ms per step, recompute "
             f"{args.recompute_tokens / config.prefill_tokens_per_s:.3f} s per {args.recompute_tokens} tokens")
 
 

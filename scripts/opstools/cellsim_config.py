@@ -11,6 +11,7 @@ from . import cellsim_defaults as defaults
 
 STORES = ("sharded", "rank0")
 LOADINGS = ("sync", "async")
+LOAD_PATHS = ("prefetch", "step", "loader")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class CellConfig:
     get_contention: float = defaults.GET_CONTENTION  # extra share of get_s per further client in flight
     engine_load_s_per_chunk: float = defaults.ENGINE_LOAD_S_PER_CHUNK
     gpu_step_s: float = defaults.GPU_STEP_S
+    gpu_load_s_per_chunk: float = defaults.GPU_LOAD_S_PER_CHUNK
+    async_load_path: str = defaults.ASYNC_LOAD_PATH
     step_tokens: int = defaults.STEP_TOKENS
     step_requests: int = defaults.STEP_REQUESTS
     chunk_tokens: int = defaults.CHUNK_TOKENS
@@ -38,13 +41,15 @@ class CellConfig:
             raise ValueError(f"store {self.store!r}: expected one of {', '.join(STORES)}")
         if self.loading not in LOADINGS:
             raise ValueError(f"loading {self.loading!r}: expected one of {', '.join(LOADINGS)}")
+        if self.async_load_path not in LOAD_PATHS:
+            raise ValueError(f"async_load_path {self.async_load_path!r}: expected one of {', '.join(LOAD_PATHS)}")
         for name in ("pods", "ranks", "shards", "chunk_tokens", "step_tokens", "step_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("get_s", "prefill_tokens_per_s", "async_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("get_contention", "engine_load_s_per_chunk", "gpu_step_s"):
+        for name in ("get_contention", "engine_load_s_per_chunk", "gpu_step_s", "gpu_load_s_per_chunk"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.orphan_cap is not None and self.orphan_cap < 0:

@@ -7,15 +7,31 @@ measurement; they build on each other in this order.
 
 - ``GET_MS`` 8.9 ms: Valkey's server time per 12.4 MB GET with eight shards,
   one rank's loads per shard (run H5b): a GET with one client in flight.
-- ``GPU_STEP_S`` 66 ms: the sync runaway's GPUs were 7% busy. Over that run
-  (374 s of sends plus its 83.7 s p99), one step per request, that is 71 ms of
-  GPU per request, of which computing the 256 tokens not in L2 takes 4.8 ms
-  (16k tokens per 0.31 s): 66 ms of GPU work per step besides recompute.
+- ``GPU_LOAD_S_PER_CHUNK`` 1.05 ms: GPU work per loaded chunk, inside the
+  step, for every request the step carries. The sharded store's load is "one
+  broadcast per chunk from its owner", a collective the GPUs run for each
+  chunk, and the sync runaway's "GPUs only 7% busy" counts it. Over that run
+  (374 s of sends plus its 83.7 s p99) 7% is 71 ms of GPU per request, of
+  which computing the 256 tokens not in L2 takes 4.8 ms (16k tokens per
+  0.31 s): 66 ms over the 63 loaded chunks. The runaway's steps batch several
+  requests, so this work has to come with each request (its chunks), not with
+  each step: 66 ms per step gives 1.8% busy, not 7%.
+- ``GPU_STEP_S`` 0: GPU work per step besides recompute and the loaded chunks'.
+  No measurement separates it from the per-chunk work above, which the 7%
+  needs whole.
 - ``ENGINE_LOAD_S_PER_CHUNK`` 4.2 ms: with eight shards the median 16k hit
   took about 0.1 s over the 0.31 s recompute, "spent in the engine, in the
   per-chunk broadcast and load path". Of those 0.41 s the GETs take 71 ms
-  (8 x 8.9 ms per shard) and the step's GPU work 66 + 4.8 ms; the rest, over
-  the 63 chunks loaded, is the engine's time per chunk.
+  (8 x 8.9 ms per shard), the broadcasts' GPU work 63 x 1.05 ms and the
+  256 uncomputed tokens 4.8 ms; the rest, over the 63 chunks loaded, is the
+  engine's time per chunk (the exchange, Python, the copies to CPU buffers).
+- ``ASYNC_LOAD_PATH`` "step": with async loading that engine time is spent in
+  the step, holding the pod (with "prefetch" it is spent in the request's
+  background prefetch: "a slow load delays only its own request, while the
+  engine keeps running others"; with "loader" the pod's one background
+  loader spends it, the prefetches in turn, outside the step). The write-up
+  does not say which part of the load path runs where; "step" is the
+  pessimistic end.
 - ``GET_CONTENTION`` 0.5%: one instance loaded a 16k prompt (64 chunks, all
   eight ranks reading it) in 0.83-0.89 s. At the midpoint 0.86 s that is
   13.4 ms per chunk; less the engine's 4.2 ms, 9.2 ms per GET with eight
@@ -41,14 +57,17 @@ INSTANCE_LOAD_S = (0.83, 0.86, 0.89)  # one instance, a 16k prompt's 64 chunks: 
 LOAD_CHUNKS = 64
 HIT_CHUNKS = 63  # 98.5% of a 16k prompt in L2
 
-# the sync runaway: 7% GPU busy over 374 s of sends plus the 83.7 s p99, 450 requests, one step each
+# the sync runaway: 7% GPU busy over 374 s of sends plus the 83.7 s p99, 450 requests, each with its chunks' GPU work
 _SYNC_RUN_GPU_S_PER_REQUEST = 0.07 * (374.0 + 83.7) / 450
 _UNCACHED_S = (RECOMPUTE_TOKENS - HIT_CHUNKS * CHUNK_TOKENS) / PREFILL_TOKENS_PER_S
-GPU_STEP_S = _SYNC_RUN_GPU_S_PER_REQUEST - _UNCACHED_S
+GPU_LOAD_S_PER_CHUNK = (_SYNC_RUN_GPU_S_PER_REQUEST - _UNCACHED_S) / HIT_CHUNKS
+GPU_STEP_S = 0.0
+ASYNC_LOAD_PATH = "step"
 
 # eight shards: the median 16k hit ~0.1 s over recompute; what the GETs and the step do not take is the engine's
 _HIT_GETS_S = 8 * GET_MS / 1000
-ENGINE_LOAD_S_PER_CHUNK = (RECOMPUTE_S + 0.1 - _HIT_GETS_S - GPU_STEP_S - _UNCACHED_S) / HIT_CHUNKS
+ENGINE_LOAD_S_PER_CHUNK = ((RECOMPUTE_S + 0.1 - _HIT_GETS_S - HIT_CHUNKS * GPU_LOAD_S_PER_CHUNK - _UNCACHED_S)
+                           / HIT_CHUNKS)
 
 
 def contention_from_load(load_s: float, chunks: int, engine_s_per_chunk: float, one_client_get_s: float,

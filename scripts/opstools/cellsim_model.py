@@ -30,13 +30,19 @@ and the measurements they come from: ``cellsim_defaults``):
   broadcast and the copies). **Asynchronous** loading starts a prefetch on
   arrival and makes the request ready when it completes, or after
   ``async_timeout_s``, whichever is first; the step then spends the engine
-  time on the prefetched chunks. On a timeout the whole prompt is recomputed
+  time on the prefetched chunks (``async_load_path`` "step"), or the prefetch
+  spends it before the request is ready ("prefetch": "a slow load delays only
+  its own request, while the engine keeps running others"), or the pod's one
+  background loader spends it, prefetch after prefetch, outside the step
+  ("loader"). On a timeout the whole prompt is recomputed
   while the prefetch keeps running (an *orphan*: its GETs still occupy the
   instances), up to ``orphan_cap`` orphans per pod; the prefetch of a request
   that times out beyond the cap is cancelled.
-- **GPU work** of a step is its uncached tokens at ``prefill_tokens_per_s``
-  plus ``gpu_step_s`` per step; the loads, the engine's load path and a
-  frozen pod's wait are not GPU work.
+- **GPU work** of a step is its uncached tokens at ``prefill_tokens_per_s``,
+  ``gpu_load_s_per_chunk`` for each chunk any of its requests loaded (the
+  sharded load is "one broadcast per chunk from its owner", a collective on
+  the GPUs, inside the step), plus ``gpu_step_s`` per step; the GETs, the
+  engine's load path and a frozen pod's wait are not GPU work.
 - **Stores**: after its step a request SETs, in the background, the chunks
   past what its lookup reported (LMCache saves from there): the chunks not in
   L2, or after a timeout (0 reported) the whole prompt.
@@ -66,6 +72,7 @@ class Outcome:
     first_token_s: float | None = None
     timed_out: bool = False  # async: the lookup timeout fired and the prompt was recomputed
     load_s: float = 0.0  # sync: the load inside the step; async: the prefetch (or the timeout)
+    gets_s: float = 0.0  # async: the prefetch's GETs alone (0 after a timeout)
     batch: int = 0  # requests in the step that gave the first token
 
     @property
@@ -138,6 +145,7 @@ class _Cell:
     gpu_busy: list[list[tuple[float, float]]] = field(default_factory=list)
     queues: list[_Waiting] = field(default_factory=list)
     orphans: list[int] = field(default_factory=list)
+    loaders: list[simpy.Resource] = field(default_factory=list)
     steps: int = 0
 
     def transfer(self, pod: int, first_chunk: int, chunks: int) -> list[Stream]:
@@ -171,9 +179,10 @@ class _Cell:
             tokens += more
         return batch
 
-    def gpu_work(self, pod: int, tokens: int):
+    def gpu_work(self, pod: int, tokens: int, loaded_chunks: int):
         sub_steps = max(1, math.ceil(tokens / self.config.step_tokens))
-        seconds = self.config.compute_s(tokens) + sub_steps * self.config.gpu_step_s
+        seconds = (self.config.compute_s(tokens) + sub_steps * self.config.gpu_step_s
+                   + loaded_chunks * self.config.gpu_load_s_per_chunk)
         start = self.env.now
         if seconds > 0:
             yield self.env.timeout(seconds)
@@ -204,7 +213,8 @@ class _Cell:
             batch = self.take_batch(pod, lambda o: self.uncached(o.arrival))
             for outcome in batch:
                 yield from self.sync_load(outcome)
-            yield from self.gpu_work(pod, sum(self.uncached(o.arrival) for o in batch))
+            loaded = sum(self.hit_chunks(o.arrival) for o in batch)
+            yield from self.gpu_work(pod, sum(self.uncached(o.arrival) for o in batch), loaded)
             self.finish(batch)
 
     # -- asynchronous loading: prefetch on arrival, the step only copies what was fetched ------
@@ -213,10 +223,11 @@ class _Cell:
             if not self.queues[pod].items:
                 yield self.queues[pod].arrival()
             batch: list[_Ready] = self.take_batch(pod, lambda r: r.tokens)
-            engine_s = sum(r.loaded_chunks for r in batch) * self.config.engine_load_s_per_chunk
+            loaded = sum(r.loaded_chunks for r in batch)
+            engine_s = loaded * self.config.engine_load_s_per_chunk if self.config.async_load_path == "step" else 0.0
             if engine_s > 0:
                 yield self.env.timeout(engine_s)
-            yield from self.gpu_work(pod, sum(r.tokens for r in batch))
+            yield from self.gpu_work(pod, sum(r.tokens for r in batch), loaded)
             self.finish([r.outcome for r in batch])
 
     def async_lookup(self, outcome: Outcome):
@@ -229,7 +240,7 @@ class _Cell:
             return
         start = self.env.now
         streams = self.transfer(outcome.pod, 0, chunks)
-        prefetch = self.env.all_of([s.done for s in streams])
+        prefetch = self.env.process(self.prefetch(outcome, streams, chunks))
         yield prefetch | self.env.timeout(self.config.async_timeout_s)
         if prefetch.triggered:
             outcome.load_s = self.env.now - start
@@ -246,6 +257,24 @@ class _Cell:
         self.orphans[outcome.pod] += 1
         yield prefetch
         self.orphans[outcome.pod] -= 1
+
+    def prefetch(self, outcome: Outcome, streams: list[Stream], chunks: int):
+        """The prefetch: its GETs, then the engine's load path of its chunks on its own (``async_load_path``
+        "prefetch") or in its turn at the pod's loader ("loader")."""
+        start = self.env.now
+        yield self.env.all_of([s.done for s in streams])
+        gets_s = self.env.now - start
+        if gets_s <= self.config.async_timeout_s:
+            outcome.gets_s = gets_s
+        engine_s = chunks * self.config.engine_load_s_per_chunk
+        if engine_s <= 0 or self.config.async_load_path == "step":
+            return
+        if self.config.async_load_path == "prefetch":
+            yield self.env.timeout(engine_s)
+            return
+        with self.loaders[outcome.pod].request() as turn:  # a timed-out prefetch, run on, takes its turn too
+            yield turn
+            yield self.env.timeout(engine_s)
 
     def source(self, outcomes: list[Outcome]):
         for outcome in outcomes:
@@ -267,6 +296,7 @@ def simulate(config: CellConfig, arrivals: Sequence[Arrival]) -> SimResult:
     cell.gpu_busy = [[] for _ in range(config.pods)]
     cell.queues = [_Waiting(env) for _ in range(config.pods)]
     cell.orphans = [0] * config.pods
+    cell.loaders = [simpy.Resource(env, capacity=1) for _ in range(config.pods)]
     ordered = sorted(arrivals, key=lambda a: a.arrival_s)
     outcomes = [Outcome(arrival, index % config.pods) for index, arrival in enumerate(ordered)]
     for pod in range(config.pods):

@@ -24,7 +24,7 @@ from opstools.cellsim_model import Arrival, CellConfig, busy_per_window, poisson
 from opstools.common import OpsError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-BARE = dict(get_contention=0.0, engine_load_s_per_chunk=0.0, gpu_step_s=0.0)  # the cache tier alone
+BARE = dict(get_contention=0.0, engine_load_s_per_chunk=0.0, gpu_step_s=0.0, gpu_load_s_per_chunk=0.0)  # the tier alone
 PROMPT = 16_384
 
 
@@ -90,9 +90,47 @@ def test_rank_r_of_every_pod_reads_shard_r():
 def test_a_hit_pays_the_gets_the_engine_path_and_the_step():
     # eight shards: 8 GETs per shard, then 63 chunks of engine time, then the step (GPU work + 256 tokens)
     config = CellConfig(shards=8, get_s=0.01, get_contention=0.0, engine_load_s_per_chunk=0.004, gpu_step_s=0.05,
-                        prefill_tokens_per_s=PROMPT / 0.31)
+                        gpu_load_s_per_chunk=0.001, prefill_tokens_per_s=PROMPT / 0.31)
     ttft = simulate(config, [Arrival(0.0, PROMPT, PROMPT - 256)]).outcomes[0].ttft_s
-    assert ttft == pytest.approx(8 * 0.01 + 63 * 0.004 + 0.05 + 0.31 / 64)
+    assert ttft == pytest.approx(8 * 0.01 + 63 * 0.004 + 0.05 + 63 * 0.001 + 0.31 / 64)
+
+
+def test_the_gpu_works_per_loaded_chunk_of_every_request_in_a_step():
+    # the first request freezes the pod; three more share the next step, and each brings its 63 chunks' broadcasts
+    config = CellConfig(shards=1, store="rank0", get_s=0.1, store_new_chunks=False, prefill_tokens_per_s=PROMPT / 0.31,
+                        **{**BARE, "gpu_load_s_per_chunk": 0.001})
+    result = simulate(config, [Arrival(t, PROMPT, PROMPT - 256) for t in (0.0, 1.0, 2.0, 3.0)])
+    assert [o.batch for o in result.outcomes] == [1, 3, 3, 3]
+    steps = [b - a for a, b in result.gpu_busy[0]]
+    assert steps == [pytest.approx(63 * 0.001 + 0.31 / 64), pytest.approx(3 * (63 * 0.001 + 0.31 / 64))]
+
+
+def test_async_loading_spends_the_engine_path_in_the_step_or_in_the_prefetch():
+    # a hit prefetched in 8 x 0.01 s, then 63 x 4 ms of engine path: held in the step, the second request (sent when
+    # the first is ready) waits for it; spent in the prefetch, the pod is free and both take the same time
+    arrivals = [Arrival(0.0, PROMPT, PROMPT - 256), Arrival(0.08, PROMPT, PROMPT - 256)]
+    common = dict(shards=8, loading="async", get_s=0.01, prefill_tokens_per_s=PROMPT / 0.31, store_new_chunks=False,
+                  **{**BARE, "engine_load_s_per_chunk": 0.004})
+    held = simulate(CellConfig(async_load_path="step", **common), arrivals).outcomes
+    free = simulate(CellConfig(async_load_path="prefetch", **common), arrivals).outcomes
+    alone = 0.08 + 63 * 0.004 + 0.31 / 64
+    assert [o.ttft_s for o in free] == [pytest.approx(alone), pytest.approx(alone)]
+    assert held[0].ttft_s == pytest.approx(alone) and held[1].ttft_s > alone + 0.1
+    assert [o.gets_s for o in free] == [pytest.approx(0.08), pytest.approx(0.08)]
+    with pytest.raises(ValueError, match="async_load_path 'gpu'"):
+        CellConfig(async_load_path="gpu").validate()
+
+
+def test_the_pods_loader_runs_the_prefetches_engine_path_in_turn_outside_the_step():
+    # two hits sent together: their GETs queue per rank (0.08 s, 0.16 s), then the pod's one loader spends 63 x 4 ms
+    # on each in turn; the steps (256 tokens each) do not wait for it
+    common = dict(shards=8, loading="async", get_s=0.01, prefill_tokens_per_s=PROMPT / 0.31, store_new_chunks=False,
+                  **{**BARE, "engine_load_s_per_chunk": 0.004})
+    outcomes = simulate(CellConfig(async_load_path="loader", **common),
+                        [Arrival(0.0, PROMPT, PROMPT - 256), Arrival(0.0, PROMPT, PROMPT - 256)]).outcomes
+    assert [o.ttft_s for o in outcomes] == [pytest.approx(0.08 + 63 * 0.004 + 0.31 / 64),
+                                            pytest.approx(0.08 + 2 * 63 * 0.004 + 0.31 / 64)]
+    assert [o.gets_s for o in outcomes] == [pytest.approx(0.08), pytest.approx(0.16)]
 
 
 def test_a_step_batches_the_waiting_requests_within_its_budgets():

@@ -6,7 +6,7 @@ the same set for every scenario. Each simulated figure is the median over 20
 Poisson streams (seeds 0-19), one shared run per scenario. A figure the model
 does not reproduce is a strict xfail whose reason names what the model lacks:
 if the model ever reproduces it, the xfail fails and the table in
-scripts/README.md must change with it. Two figures set a default
+scripts/README.md must change with it. Three figures set a default
 (``Figure.calibrates``) and are not independent evidence; the write-up's
 predictions (its own arithmetic) are tested apart.
 """
@@ -57,9 +57,12 @@ def test_every_scenario_runs_on_the_same_parameters():
 
 def test_the_defaults_follow_from_the_measurements():
     assert defaults.GET_MS == 8.9  # H5b
-    assert defaults.GPU_STEP_S == pytest.approx(0.07 * 457.7 / 450 - 256 * 0.31 / 16384)  # 7% GPU busy
-    # the median 8-shard hit at recompute + 0.1 s: GETs, the step, and 63 chunks of engine time
-    hit = 8 * 8.9e-3 + defaults.GPU_STEP_S + 256 * 0.31 / 16384 + 63 * defaults.ENGINE_LOAD_S_PER_CHUNK
+    # 7% GPU busy: each request's 63 loaded chunks and its 256 computed tokens
+    assert 63 * defaults.GPU_LOAD_S_PER_CHUNK == pytest.approx(0.07 * 457.7 / 450 - 256 * 0.31 / 16384)
+    assert defaults.GPU_STEP_S == 0.0 and defaults.ASYNC_LOAD_PATH == "step"
+    # the median 8-shard hit at recompute + 0.1 s: GETs, 63 chunks of engine time and GPU work, 256 tokens
+    hit = (8 * 8.9e-3 + 63 * (defaults.GPU_LOAD_S_PER_CHUNK + defaults.ENGINE_LOAD_S_PER_CHUNK)
+           + 256 * 0.31 / 16384)
     assert hit == pytest.approx(0.41)
     # one instance loaded 64 chunks for eight ranks in 0.83-0.89 s: contention between 0 and 1.2% per client
     low, mid, high = (defaults.writeup_contention(s) for s in defaults.INSTANCE_LOAD_S)
