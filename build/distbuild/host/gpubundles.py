@@ -148,6 +148,7 @@ def make(repo: Path, work: Path, python: Path, cuda: Path, versions: dict[str, s
     """Make both bundles from work/src (prepared by the caller) into work/, then stamp them."""
     made = []
     env = {**os.environ, "DIST_CUDA_HOME": str(cuda), "DIST_WORK": str(work)}
+    env.pop("DIST_FLASHINFER_TREE", None)  # the trees of work/src, which the stamp names
     steps = [
         (ACTIVATION_BUNDLE, [sys.executable, str(repo / "tests/flashinfer/gpu/run.py"), "--work", str(work),
                              "--make-bundle", str(work / ACTIVATION_BUNDLE),
