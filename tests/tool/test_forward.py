@@ -29,7 +29,11 @@ def _verdict(demo: DemoRepo) -> str:
 def test_exact_series_is_good_and_the_verdict_is_written_under_work(demo, capsys):
     demo.series(P1)
     _forward_pin(demo, demo.publish("1.1", BASE_FILES))
+    stale = demo.work / "forward" / "demo-1.1" / "activation-bundle" / "SOURCES.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
     assert demo.run("forward", "demo==1.1") == 0
+    assert not stale.parent.exists()  # an earlier run's outputs are gone
     out = capsys.readouterr().out
     assert "make forward demo==1.1: GOOD" in out
     assert "1 patch(es) applied with git am, no fuzz, no offsets" in out

@@ -473,6 +473,8 @@ def run(ctx: Context, spec: str) -> tuple[Verdict, Path]:
         raise DistBuildError(f"{ctx.python}: no such Python; the kernel checks need the test environment "
                              "(run make test once, or name a Python with pytest and numpy: TEST_PYTHON=...)")
     forward = ForwardRun(ctx, pin)
+    if forward.out.exists():
+        shutil.rmtree(forward.out)  # an earlier run's tree, logs and bundle: the verdict speaks of this run only
     verdict = Verdict(f"{pin.name}=={pin.version}")
     for name, action in forward.steps():
         if not run_step(verdict, name, action):
