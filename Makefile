@@ -6,11 +6,11 @@ WORK ?= $(CURDIR)/work
 DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
 FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
 
-.PHONY: help gpu-bundles image image-check image-repro lock-debian lock test stress sources fetch flashinfer-artifacts patched export health manifest lint pin audit chart picture clean
+.PHONY: help gpu-bundles image image-check image-repro lock-debian lock test stress sources fetch flashinfer-artifacts patched export health forward manifest lint pin audit chart picture clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
-	@echo "  variables: UPSTREAM=lmcache|flashinfer|vllm (export), UPSTREAM=NAME==VERSION (health), FORCE=1, WORK=dir"
+	@echo "  variables: UPSTREAM=lmcache|flashinfer|vllm (export), UPSTREAM=NAME==VERSION (health, forward), FORCE=1, WORK=dir"
 
 IMAGE_TAG ?= localhost/glm53-b300-serving:dev
 # RELEASE=1 (STRICT=1 is the same): fail unless the image carries FlashInfer's artifact set.
@@ -59,6 +59,10 @@ export: ## regenerate patches/$(UPSTREAM) from the commits in work/src/$(UPSTREA
 health: ## try the series against another release, e.g. make health UPSTREAM=lmcache==0.5.6
 	@test -n "$(UPSTREAM)" || { echo "make health: set UPSTREAM=NAME==VERSION, e.g. lmcache==0.5.6" >&2; exit 2; }
 	$(DIST) health $(UPSTREAM)
+
+forward: ## check the series exactly on a newer release pinned in build/forward.toml, and FlashInfer's kernel there: make forward UPSTREAM=flashinfer==0.7.4 [OFFSETS=1] [BUNDLE=1] [TEST_PYTHON=..]
+	@test -n "$(UPSTREAM)" || { echo "make forward: set UPSTREAM=NAME==VERSION, e.g. flashinfer==0.7.4 (pinned in build/forward.toml)" >&2; exit 2; }
+	$(DIST) forward $(UPSTREAM) $(if $(filter 1,$(OFFSETS)),--allow-offsets) $(if $(filter 1,$(BUNDLE)),--bundle) $(if $(TEST_PYTHON),--test-python $(TEST_PYTHON))
 
 manifest: ## rewrite work/manifest.json
 	$(DIST) manifest

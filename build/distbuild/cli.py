@@ -107,6 +107,31 @@ def cmd_health(args: argparse.Namespace, layout: Layout) -> int:
     return 1 if args.strict and any(r.status == "conflicts" for r in report) else 0
 
 
+def cmd_forward(args: argparse.Namespace, layout: Layout) -> int:
+    from .host import forward as forward_step
+    from .toolchain import ensure_toolchain
+
+    pins = pins_step.load(layout.pins_file)
+
+    def bundle(tree: Path, version: str, dest: Path) -> list[str]:
+        from .host import gpubundles
+
+        return gpubundles.make_activation(layout.repo, tree, version, ensure_toolchain(
+            pins, layout.cache, layout.work / "toolchain", _client), dest)
+
+    ctx = forward_step.Context(
+        repo=layout.repo, pins_file=layout.repo / "build" / "forward.toml", work=layout.work,
+        fetch=lambda pin: fetch(pin, layout.cache, _client),
+        series=lambda upstream: load_series(layout.series_dir(upstream)),
+        toolchain=lambda: ensure_toolchain(pins, layout.cache, layout.work / "toolchain", _client),
+        python=Path(args.test_python) if args.test_python else layout.work / "venv" / "bin" / "python",
+        allow_offsets=args.allow_offsets, bundle=bundle if args.bundle else None)
+    verdict, path = forward_step.run(ctx, args.spec)
+    print(forward_step.format_verdict(verdict))
+    print(f"wrote     {path}")
+    return 0 if verdict.good else 1
+
+
 def cmd_lint(args: argparse.Namespace, layout: Layout) -> int:
     pins = pins_step.load(layout.pins_file)
     problems = []
@@ -392,6 +417,18 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--upstream", help="series to try (default: the upstream pinned under NAME)")
     s.add_argument("--strict", action="store_true", help="exit 1 when a patch conflicts")
     s.set_defaults(func=cmd_health)
+
+    s = sub.add_parser("forward", help="check the series exactly on a newer release pinned in build/forward.toml, "
+                       "and FlashInfer's activation kernel there (compile, CPU tests)")
+    s.add_argument("spec", help="NAME==VERSION, e.g. flashinfer==0.7.4 (the package or the upstream folder name)")
+    s.add_argument("--allow-offsets", action="store_true",
+                   help="go on when a hunk applies only at an offset (listed; the verdict is NOT EXACT, exit 1)")
+    s.add_argument("--bundle", action="store_true",
+                   help="also make the GPU checks' activation bundle from that tree "
+                        "(<work>/forward/<upstream>-<version>/activation-bundle)")
+    s.add_argument("--test-python", help="Python with pytest and numpy for the kernel's CPU tests "
+                   "(default: the test environment's, <work>/venv/bin/python)")
+    s.set_defaults(func=cmd_forward)
 
     s = sub.add_parser("manifest", help="rewrite work/manifest.json")
     s.set_defaults(func=cmd_manifest)

@@ -5,7 +5,8 @@ Shared by the CPU compile check (test_activation_compile.py) and the GPU harness
 
 The trees: the patched FlashInfer tree is ``$DIST_WORK/src/flashinfer`` (default
 ``<repo>/work``), a git checkout whose HEAD carries the patch series; the pristine
-sources are the commit ``refs/dist/pristine`` of that repository. For the pristine
+sources are the commit ``refs/dist/pristine`` of that repository. ``DIST_FLASHINFER_TREE``
+names another such checkout instead (``make forward`` points it at a newer release's). For the pristine
 build, the files the series changes are written out at their pristine revision into
 an overlay directory whose include roots come first (see ``Sources``).
 
@@ -73,8 +74,20 @@ def work_dir() -> Path:
     return Path(os.environ.get("DIST_WORK") or REPO / "work")
 
 
+TREE_ENV = "DIST_FLASHINFER_TREE"
+
+
 def flashinfer_tree() -> Path:
-    return work_dir() / "src" / "flashinfer"
+    """$DIST_FLASHINFER_TREE when set (another release's prepared tree), else $DIST_WORK/src/flashinfer."""
+    chosen = os.environ.get(TREE_ENV)
+    return Path(chosen) if chosen else work_dir() / "src" / "flashinfer"
+
+
+def missing_tree_hint() -> str:
+    """How to get a tree where flashinfer_tree() looks."""
+    if os.environ.get(TREE_ENV):
+        return f"{TREE_ENV} names it; `make forward` prepares one"
+    return "set DIST_WORK, or run `make patched`"
 
 
 def cuda_home(extra_env: tuple[str, ...] = ()) -> Path | None:
@@ -163,7 +176,7 @@ class Sources:
 def patched_sources(tree: Path | None = None) -> Sources:
     tree = tree or flashinfer_tree()
     if not (tree / DEV_KERNEL).is_file():
-        raise BuildError(f"no FlashInfer tree at {tree} (set DIST_WORK, or run `make patched`)")
+        raise BuildError(f"no FlashInfer tree at {tree} ({missing_tree_hint()})")
     return Sources("patched", tree)
 
 

@@ -7,7 +7,7 @@ code only (``-cubin``), with the nvcc flags FlashInfer's JIT uses for the
 ``fused_moe_trtllm_sm100`` module (read from the tree's own ``flashinfer/jit`` code, see
 ``activation_build.jit_nvcc_flags``), and reads ``ptxas -v`` and the PTX:
 
-* the patched tree (``$DIST_WORK/src/flashinfer``, HEAD): the whole file;
+* the patched tree (``$DIST_WORK/src/flashinfer``, or ``$DIST_FLASHINFER_TREE``; HEAD): the whole file;
 * the pristine revision (``refs/dist/pristine``), for comparison: the file up to the end
   of ``namespace activation`` (``activation_build.activation_part``), which holds every
   activation kernel and compiles them exactly as the whole file does.
@@ -118,6 +118,7 @@ def builds(toolchain, tmp_path_factory):
     with concurrent.futures.ThreadPoolExecutor(max_workers=COMPILE_JOBS) as pool:
         result = dict(pool.map(lambda job: _compile(cuda, flags, *job, out), compiles))
     report = {
+        "tree": str(patched.tree),  # the flags were read from this tree's JIT code
         "flags": {arch: flags.for_arch(arch) for arch in ARCHS},
         "kernels": {f"{tree}/{arch}": {ab.short_name(n): s for n, s in sorted(b["stats"].items())}
                     for (tree, arch), b in result.items()},

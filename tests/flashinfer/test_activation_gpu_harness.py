@@ -37,7 +37,7 @@ def _toolchain(extra_env: tuple[str, ...] = ()) -> Path:
             pytest.fail(f"{reason} (CI=true: the harness build check must run in CI)", pytrace=False)
         pytest.skip(reason)
     if not (ab.flashinfer_tree() / ab.DEV_KERNEL).is_file():
-        reason = f"no FlashInfer tree at {ab.flashinfer_tree()} (set DIST_WORK, or run `make patched`)"
+        reason = f"no FlashInfer tree at {ab.flashinfer_tree()} ({ab.missing_tree_hint()})"
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)

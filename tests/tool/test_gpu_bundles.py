@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from distbuild.errors import DistBuildError
 from distbuild.host import gpubundles
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,3 +116,28 @@ def test_the_activation_script_refuses_a_stale_bundle_before_any_gpu_work(tmp_pa
     log = (out / "activation.log").read_text()
     assert "REFUSED" in log and "stale bundle" in log and "make gpu-bundles" in log
     assert not list((tmp_path / "b").iterdir())  # nothing built
+
+
+def test_an_activation_bundle_from_another_release_is_stamped_with_its_tree_and_version(tmp_path):
+    """make forward BUNDLE=1: the bundle names the newer release and that tree, and passes the check."""
+    repo = tmp_path / "repo"
+    (repo / "patches" / "flashinfer").mkdir(parents=True)
+    (repo / "patches" / "flashinfer" / "0001-a-change.patch").write_text(PATCH)
+    (repo / "patches" / "flashinfer" / "series").write_text("0001-a-change.patch\n")
+    tree = tmp_path / "forward" / "flashinfer-0.7.4" / "tree"
+    tree.mkdir(parents=True)
+    (tree / "setup.py").write_text("print('flashinfer')\n")
+    for cmd in (["init", "-q"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(tree), *cmd], check=True)
+    bundle = tree.parent / gpubundles.ACTIVATION_BUNDLE
+    for rel in gpubundles.NAMED_FILES[gpubundles.ACTIVATION_BUNDLE]:
+        (bundle / rel).parent.mkdir(parents=True, exist_ok=True)
+        (bundle / rel).write_text(f"{rel}\n")
+    record = gpubundles.stamp(bundle, repo, None, {"flashinfer": "0.7.4"}, {"flashinfer": tree})
+    made = record["series"]["flashinfer"]
+    assert made["version"] == "0.7.4"
+    assert made["patched_tree"] == subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD^{tree}"],
+                                                  capture_output=True, text=True).stdout.strip()
+    assert f"flashinfer 0.7.4: series {made['series_sha256'][:16]}" in "\n".join(gpubundles.check(bundle, repo))
+    with pytest.raises(DistBuildError, match="must be named activation-bundle"):
+        gpubundles.make_activation(repo, tree, "0.7.4", tmp_path, tmp_path / "elsewhere")

@@ -83,12 +83,14 @@ def _git(tree: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def stamp(bundle: Path, repo: Path, work: Path, versions: dict[str, str]) -> dict:
-    """Write ``SOURCES.json`` into a finished bundle, from the trees it was made from."""
+def stamp(bundle: Path, repo: Path, work: Path | None, versions: dict[str, str],
+          trees: dict[str, Path] | None = None) -> dict:
+    """Write ``SOURCES.json`` into a finished bundle, from the trees it was made from
+    (``trees``, else ``work/src/<upstream>``)."""
     kind = bundle.name
     series = {}
     for upstream in BUNDLE_UPSTREAMS[kind]:
-        tree = work / "src" / upstream
+        tree = (trees or {}).get(upstream) or Path(work or ".") / "src" / upstream
         series[upstream] = {"version": versions[upstream], "series_sha256": carried_series(repo, upstream),
                             "parts_sha256": carried_parts(repo, upstream),
                             "patched_tree": _git(tree, "rev-parse", "HEAD^{tree}")}
@@ -146,6 +148,7 @@ def make(repo: Path, work: Path, python: Path, cuda: Path, versions: dict[str, s
     """Make both bundles from work/src (prepared by the caller) into work/, then stamp them."""
     made = []
     env = {**os.environ, "DIST_CUDA_HOME": str(cuda), "DIST_WORK": str(work)}
+    env.pop("DIST_FLASHINFER_TREE", None)  # the trees of work/src, which the stamp names
     steps = [
         (ACTIVATION_BUNDLE, [sys.executable, str(repo / "tests/flashinfer/gpu/run.py"), "--work", str(work),
                              "--make-bundle", str(work / ACTIVATION_BUNDLE),
@@ -156,17 +159,37 @@ def make(repo: Path, work: Path, python: Path, cuda: Path, versions: dict[str, s
     ]
     for name, cmd in steps:
         bundle = work / name
-        (bundle / STAMP).unlink(missing_ok=True)
-        print(f"making  {bundle}", flush=True)
-        done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise DistBuildError(f"{name}: {' '.join(cmd[:2])} failed ({done.returncode}):\n"
-                                 f"{(done.stdout + done.stderr)[-3000:]}")
-        record = stamp(bundle, repo, work, versions)
-        size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
-        print(f"stamped {bundle}: {size / 2**20:.1f} MiB, content {record['content_sha256'][:16]}", flush=True)
+        _build(bundle, cmd, repo, env)
+        print(_stamped(bundle, stamp(bundle, repo, work, versions)), flush=True)
         made.append(bundle)
     return made
+
+
+def _build(bundle: Path, cmd: list[str], repo: Path, env: dict[str, str]) -> None:
+    (bundle / STAMP).unlink(missing_ok=True)
+    print(f"making  {bundle}", flush=True)
+    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise DistBuildError(f"{bundle.name}: {' '.join(cmd[:2])} failed ({done.returncode}):\n"
+                             f"{(done.stdout + done.stderr)[-3000:]}")
+
+
+def _stamped(bundle: Path, record: dict) -> str:
+    size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
+    return f"stamped {bundle}: {size / 2**20:.1f} MiB, content {record['content_sha256'][:16]}"
+
+
+def make_activation(repo: Path, tree: Path, version: str, cuda: Path, dest: Path) -> list[str]:
+    """The activation bundle from another prepared FlashInfer tree (``make forward BUNDLE=1``): the
+    same files and stamp as ``make gpu-bundles`` makes from work/src/flashinfer. ``dest`` must be
+    named activation-bundle; tests/device_run.sh takes it as ACTIVATION_BUNDLE=dest."""
+    if dest.name != ACTIVATION_BUNDLE:
+        raise DistBuildError(f"{dest}: an activation bundle's folder must be named {ACTIVATION_BUNDLE}")
+    env = {**os.environ, "DIST_CUDA_HOME": str(cuda), "DIST_FLASHINFER_TREE": str(tree)}
+    _build(dest, [sys.executable, str(repo / "tests/flashinfer/gpu/run.py"), "--make-bundle", str(dest),
+                  "--out", str(dest.parent / "activation-bundle-scratch")], repo, env)
+    return [_stamped(dest, stamp(dest, repo, None, {"flashinfer": version}, {"flashinfer": tree})),
+            f"on a GPU machine: ACTIVATION_BUNDLE={dest} tests/device_run.sh"]
 
 
 def main(argv: list[str]) -> int:
