@@ -40,8 +40,8 @@ stress: ## phases 1-3 with busy loops beside them; lists every test whose result
 gpu-bundles: ## make and stamp the bundles a GPU machine without the trees runs the GPU checks from (tests/device_run.sh)
 	$(DIST) gpu-bundles
 
-gpu-rehearsal: ## rehearse the GPU call here on the CPU: bundles, a Python 3.12/torch 2.11 like the GPU host's, no index [HOST_PYTHON=python3.12] [TORCH_INDEX=url] [OUTER_S=600]
-	$(DIST) gpu-rehearsal $(if $(HOST_PYTHON),--host-python $(HOST_PYTHON)) $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX)) $(if $(OUTER_S),--outer-limit $(OUTER_S))
+gpu-rehearsal: ## rehearse the GPU call here on the CPU: bundles, a Python 3.12/torch 2.11 like the GPU host's, no index [HOST_PYTHON=python3.12] [TORCH_INDEX=url] [OUTER_S=600] [ACTIVATION_ARCH=sm_90a|none]
+	$(DIST) gpu-rehearsal $(if $(HOST_PYTHON),--host-python $(HOST_PYTHON)) $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX)) $(if $(OUTER_S),--outer-limit $(OUTER_S)) $(if $(ACTIVATION_ARCH),--activation-arch $(ACTIVATION_ARCH))
 
 sources: ## fetch the pinned upstream sdists into work/cache (verified by sha256)
 	$(DIST) sources

@@ -318,7 +318,8 @@ def cmd_gpu_rehearsal(args: argparse.Namespace, layout: Layout) -> int:
 
     cuda = ensure_toolchain(pins_step.load(layout.pins_file), layout.cache, layout.work / "toolchain", _client)
     plan = rehearsal.Plan(repo=layout.repo, rwork=layout.work / "gpu-rehearsal", host_python=args.host_python,
-                          torch_index=args.torch_index, outer_s=args.outer_limit, cuda_bin=cuda / "bin")
+                          torch_index=args.torch_index, outer_s=args.outer_limit, cuda_bin=cuda / "bin",
+                          activation_arch=None if args.activation_arch == "none" else args.activation_arch)
     return rehearsal.rehearse(plan, lambda dest: _make_gpu_bundles(layout, dest))
 
 
@@ -451,6 +452,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--torch-index", help="index to take torch from (default: pip's configured one)")
     s.add_argument("--outer-limit", type=int, default=600, metavar="S",
                    help="the GPU call's own limit in seconds (default 600): the call must fit inside it")
+    s.add_argument("--activation-arch", default="sm_90a",
+                   help="after the call, build the activation libraries from the bundle for this arch, as the GPU "
+                        "host will (default sm_90a, the H100/H200 GPU host's; none: skip)")
     s.set_defaults(func=cmd_gpu_rehearsal)
 
     s = sub.add_parser("audit", help="arch audit gate: CUDA code in a folder, file or OCI image vs a target GPU")

@@ -14,7 +14,8 @@ on the GPU host, done here, so that on the day only the GPU is new.
 4. checks: pip in that environment refuses to download; every part wrote its JSON with a
    verdict (no CUDA device here, not a crash); at most 8 files at the top of OUT and nothing
    deeper; the bundles' stamps printed first and matching the carried series; the call's limits
-   inside the outer limit.
+   inside the outer limit; then the activation libraries built from the carried bundle with the
+   call's nvcc for the GPU host's arch (``run.py --build-only``, about 30 s on 2 cores).
 
 It prints one line per check and exits 1 naming every check that failed.
 """
@@ -181,6 +182,26 @@ def check_no_index(python: Path, env: dict[str, str], scratch: Path, report: Rep
                  f"pip download in the call's environment: exit {done.returncode}, {said[-1] if said else 'silent'}")
 
 
+def check_activation_build(tree: Path, env: dict[str, str], arch: str, scratch: Path, report: Report) -> None:
+    """The one step of the activation part a CPU host can do: both libraries built from the carried
+    bundle with the call's nvcc (run.py --build-only), as the GPU host will build them."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    cmd = ["nice", "-n", "10", "python3", "tests/flashinfer/gpu/run.py", "--bundle", "work/activation-bundle",
+           "--build-only", "--arch", arch, "--out", str(scratch), "--jobs", "2"]
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        report.check("activation build", False, f"run.py --build-only --arch {arch}: over 600 s")
+        return
+    libs = sorted(p.name for p in scratch.glob("libactivation_*.so"))
+    said = (done.stdout + done.stderr).strip().splitlines()
+    report.check("activation build", done.returncode == 0 and len(libs) == 2,
+                 f"run.py --build-only --arch {arch} from the bundle: exit {done.returncode} in "
+                 f"{time.monotonic() - t0:.0f} s, {' '.join(libs) or 'no library'}"
+                 + ("" if done.returncode == 0 else f"; {' | '.join(said[-5:])}"))
+
+
 def check_out(out: Path, report: Report) -> None:
     entries = sorted(out.iterdir()) if out.is_dir() else []
     deeper = [p.name for p in entries if not p.is_file()]
@@ -281,6 +302,7 @@ class Plan:
     torch_index: str | None
     outer_s: int
     cuda_bin: Path | None
+    activation_arch: str | None  # build the activation libraries for it after the call; None: skip
 
 
 def _timed(report: Report, name: str, step: Callable[[], object]) -> object:
@@ -328,6 +350,9 @@ def rehearse(plan: Plan, make_bundles: Callable[[Path], None]) -> int:
     check_parts(out, report)
     check_stamps(output, call / "tree", plan.rwork, report)
     check_limits(output, plan.outer_s, report)
+    if plan.activation_arch:
+        _timed(report, "activation build", lambda: check_activation_build(
+            call / "tree", env, plan.activation_arch, call / "activation-build", report))
     times = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in report.timings.items())
     print(f"rehearsal: {times}; {time.monotonic() - t_start:.0f} s in all; OUT {out}, log {call / 'call.log'}")
     if report.failed:
