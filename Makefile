@@ -6,7 +6,7 @@ WORK ?= $(CURDIR)/work
 DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
 FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
 
-.PHONY: help gpu-bundles image image-check image-repro lock-debian lock test stress sources fetch flashinfer-artifacts patched export health forward manifest lint pin audit chart picture clean
+.PHONY: help gpu-bundles gpu-rehearsal image image-check image-repro lock-debian lock test stress sources fetch flashinfer-artifacts patched export health forward manifest lint pin audit chart picture clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -39,6 +39,9 @@ stress: ## phases 1-3 with busy loops beside them; lists every test whose result
 
 gpu-bundles: ## make and stamp the bundles a GPU machine without the trees runs the GPU checks from (tests/device_run.sh)
 	$(DIST) gpu-bundles
+
+gpu-rehearsal: ## rehearse the GPU call here on the CPU: bundles, a Python 3.12/torch 2.11 like the GPU host's, no index [HOST_PYTHON=python3.12] [TORCH_INDEX=url] [OUTER_S=600] [ACTIVATION_ARCH=sm_90a|none]
+	$(DIST) gpu-rehearsal $(if $(HOST_PYTHON),--host-python $(HOST_PYTHON)) $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX)) $(if $(OUTER_S),--outer-limit $(OUTER_S)) $(if $(ACTIVATION_ARCH),--activation-arch $(ACTIVATION_ARCH))
 
 sources: ## fetch the pinned upstream sdists into work/cache (verified by sha256)
 	$(DIST) sources

@@ -311,23 +311,41 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
     return returncode
 
 
-def cmd_gpu_bundles(args: argparse.Namespace, layout: Layout) -> int:
+def _make_gpu_bundles(layout: Layout, dest: Path) -> None:
+    """Both GPU bundles into ``dest`` (its src/ trees prepared there), with the toolchain and the
+    test venv of ``layout``'s work folder."""
     from .host import gpubundles, testenv
     from .toolchain import ensure_toolchain
 
+    target = Layout(repo=layout.repo, work=dest)
     pins = pins_step.load(layout.pins_file)
     series = {u: load_series(layout.series_dir(u)) for u in pins_step.upstream_names(pins)}
     versions = {}
     for upstream in ("flashinfer", "lmcache"):
         pin = pins_step.upstream_pin(pins, upstream)
-        prepare(upstream, pin, fetch(pin, layout.cache, _client), series[upstream], layout.src)
+        prepare(upstream, pin, fetch(pin, layout.cache, _client), series[upstream], target.src)
         versions[upstream] = pin.version
-    _write_manifest(layout, pins, series)
+    _write_manifest(target, pins, series)
     cuda = ensure_toolchain(pins, layout.cache, layout.work / "toolchain", _client)
-    python = testenv.ensure_venv(layout.work / "venv", layout.tree("lmcache"), layout.work / "logs",
+    python = testenv.ensure_venv(layout.work / "venv", target.tree("lmcache"), layout.work / "logs",
                                  testenv.project_requirements(layout.repo))
-    gpubundles.make(layout.repo, layout.work, python, cuda, versions)
+    gpubundles.make(layout.repo, dest, python, cuda, versions)
+
+
+def cmd_gpu_bundles(args: argparse.Namespace, layout: Layout) -> int:
+    _make_gpu_bundles(layout, layout.work)
     return 0
+
+
+def cmd_gpu_rehearsal(args: argparse.Namespace, layout: Layout) -> int:
+    from .host import rehearsal
+    from .toolchain import ensure_toolchain
+
+    cuda = ensure_toolchain(pins_step.load(layout.pins_file), layout.cache, layout.work / "toolchain", _client)
+    plan = rehearsal.Plan(repo=layout.repo, rwork=layout.work / "gpu-rehearsal", host_python=args.host_python,
+                          torch_index=args.torch_index, outer_s=args.outer_limit, cuda_bin=cuda / "bin",
+                          activation_arch=None if args.activation_arch == "none" else args.activation_arch)
+    return rehearsal.rehearse(plan, lambda dest: _make_gpu_bundles(layout, dest))
 
 
 def cmd_audit(args: argparse.Namespace, layout: Layout) -> int:
@@ -463,6 +481,18 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("gpu-bundles", help="make and stamp the GPU checks' bundles (work/activation-bundle, "
                        "work/lmcache-gpu-bundle) from the trees under test")
     s.set_defaults(func=cmd_gpu_bundles)
+
+    s = sub.add_parser("gpu-rehearsal", help="rehearse the GPU call (tests/device_run.sh) here, on the CPU: bundles, "
+                       "a Python shaped like the GPU host's, the carried tree, no package index; work/gpu-rehearsal")
+    s.add_argument("--host-python", default="python3.12", help="the Python 3.12 to make the host's venv from "
+                   "(default: python3.12 on PATH)")
+    s.add_argument("--torch-index", help="index to take torch from (default: pip's configured one)")
+    s.add_argument("--outer-limit", type=int, default=600, metavar="S",
+                   help="the GPU call's own limit in seconds (default 600): the call must fit inside it")
+    s.add_argument("--activation-arch", default="sm_90a",
+                   help="after the call, build the activation libraries from the bundle for this arch, as the GPU "
+                        "host will (default sm_90a, the H100/H200 GPU host's; none: skip)")
+    s.set_defaults(func=cmd_gpu_rehearsal)
 
     s = sub.add_parser("audit", help="arch audit gate: CUDA code in a folder, file or OCI image vs a target GPU")
     s.add_argument("path", help="folder, shared object/cubin/fatbin, OCI layout folder or oci-archive tar")

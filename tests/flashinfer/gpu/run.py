@@ -30,7 +30,8 @@ Sources, in order of preference:
 Modes:
   run.py [--json F] [--png F]      build, check, time (exit 0 ok, 1 wrong results,
                                    3 a shape slower than pristine or a goal missed;
-                                   --no-perf-gate: 0)
+                                   --no-perf-gate: 0; 2 no GPU visible or no nvcc,
+                                   with the JSON's verdict saying which)
   run.py --build-only --arch sm_103a --out DIR
                                    build both libraries, no GPU needed
   run.py --make-bundle DIR         copy exactly the files the builds read (found with
@@ -79,15 +80,32 @@ def log(msg: str) -> None:
 # Sources and builds
 
 
-def find_cuda() -> Path:
+NO_NVCC = "no nvcc: set DIST_CUDA_HOME or CUDA_HOME, or put nvcc on PATH"
+
+
+def locate_cuda() -> Path | None:
     cuda = ab.cuda_home(("CUDA_HOME", "CUDA_PATH"))
     if cuda is None and shutil.which("nvcc"):
         cuda = Path(shutil.which("nvcc")).resolve().parent.parent
     if cuda is None and Path("/usr/local/cuda/bin/nvcc").is_file():
         cuda = Path("/usr/local/cuda")
-    if cuda is None:
-        sys.exit("run.py: no nvcc: set DIST_CUDA_HOME or CUDA_HOME, or put nvcc on PATH")
     return cuda
+
+
+def find_cuda() -> Path:
+    cuda = locate_cuda()
+    if cuda is None:
+        sys.exit(f"run.py: {NO_NVCC}")
+    return cuda
+
+
+def unfit(json_path: str | None, reason: str) -> int:
+    """A machine that cannot run the harness (no GPU visible, no nvcc): the results JSON says
+    why, with stage "unfit", and the exit status is 2, never 1 (wrong results)."""
+    log(f"run.py: UNFIT: {reason}")
+    if json_path:
+        Progress(Path(json_path), {"verdict": f"unfit: {reason}"}).save("unfit")
+    return 2
 
 
 def revisions(args, scratch: Path) -> list[ab.Sources]:
@@ -644,16 +662,15 @@ def main(argv=None) -> int:
     import tempfile
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="dist-activation-"))
     out.mkdir(parents=True, exist_ok=True)
-    cuda = find_cuda()
     revs = revisions(args, out)
 
     if args.make_bundle:
-        make_bundle(revs, cuda, Path(args.make_bundle), out)
+        make_bundle(revs, find_cuda(), Path(args.make_bundle), out)
         return 0
     if args.build_only:
         if not args.arch:
             sys.exit("run.py --build-only: pass --arch (sm_90a, sm_100a or sm_103a)")
-        libs = build(revs, args.arch, cuda, out, args.jobs)
+        libs = build(revs, args.arch, find_cuda(), out, args.jobs)
         for name, lib in libs.items():
             log(f"{name}: {lib}")
         return 0
@@ -663,7 +680,11 @@ def main(argv=None) -> int:
     import torch as torch_
 
     if not torch_.cuda.is_available():
-        sys.exit("run.py: no CUDA GPU visible to PyTorch (use --build-only to only build)")
+        return unfit(args.json, f"no CUDA device: torch {torch_.__version__} (CUDA {torch_.version.cuda}) sees no GPU "
+                                "(use --build-only to only build)")
+    cuda = locate_cuda()
+    if cuda is None:
+        return unfit(args.json, NO_NVCC)
     arch = args.arch or detect_arch()
     props = torch_.cuda.get_device_properties(0)
     nvcc = nvcc_release(cuda)
@@ -704,6 +725,8 @@ def main(argv=None) -> int:
             log(f"goal {'met   ' if met else 'MISSED'} {name}: {value}")
     log(f"{sum(met for _, met, _ in goals)} of {len(goals)} goals met; done in {time.time() - t_start:.0f} s")
     result["goals"] = goals
+    result["verdict"] = ("wrong results" if failures else
+                         "slower than pristine or a goal missed" if not all(met for _, met, _ in goals) else "passed")
     progress.save("done")
     if args.png:
         try:

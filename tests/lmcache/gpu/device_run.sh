@@ -39,8 +39,10 @@ mkdir -p "$OUT" "$DETAILS"
 LOG=$OUT/lmcache-gpu.log
 STEPS=$DETAILS/steps.tsv
 : > "$LOG"; : > "$STEPS"
+# The JSON's verdict: "running" until the script ends, then what its exit status means.
+VERDICT=running
 log() { echo "$*" | tee -a "$LOG"; }
-fail() { log "device_run.sh: $*"; summary; exit 2; }
+fail() { log "device_run.sh: $*"; VERDICT="unfit: $*"; summary; exit 2; }
 left() { echo $((DEADLINE - SECONDS)); }
 # limit SHARE_PERCENT RESERVE CAP: a step's time limit, SHARE_PERCENT of what is left once
 # RESERVE seconds are kept for the steps after it, at most CAP.
@@ -64,12 +66,12 @@ step() {  # step NAME CMD...: run, time, record; the command's output goes to th
 }
 
 summary() {
-  python3 - "$STEPS" "$DETAILS" "$REHEARSAL" "$OUT/lmcache-gpu.json" <<'EOF' 2>&1 | tee -a "$LOG"
+  python3 - "$STEPS" "$DETAILS" "$REHEARSAL" "$OUT/lmcache-gpu.json" "$VERDICT" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 steps_file, out, rehearsal, dest = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", Path(sys.argv[4])
 steps = [dict(zip(("step", "seconds", "rc"), line.split("\t"))) for line in steps_file.read_text().splitlines()]
-summary = {"rehearsal_without_cuda": rehearsal, "steps": [{**s, "seconds": int(s["seconds"]), "rc": int(s["rc"])} for s in steps]}
+summary = {"verdict": sys.argv[5], "rehearsal_without_cuda": rehearsal, "steps": [{**s, "seconds": int(s["seconds"]), "rc": int(s["rc"])} for s in steps]}
 for name in ("junit.xml", "junit-leaveout.xml"):
     path = out / name
     if path.is_file():
@@ -247,6 +249,13 @@ if [ -d "$BUNDLE/leaveout" ]; then
       -p tests.lmcache.gpu.device_plugin "${LEAVEOUT_GPU[@]}" -m gpu -rA --junitxml "$DETAILS/junit-leaveout.xml" "${FILES[@]}"
   }
   step leaveout leaveout < /dev/null || test_rc=1
+fi
+if [ "$test_rc" != 0 ]; then
+  VERDICT="a test failed"
+elif [ "$REHEARSAL" = 1 ]; then
+  VERDICT="rehearsal without CUDA (DIST_NO_GPU_EXT=1): CUDA device visible: $(envget cuda_available); deps, the common extensions and collection passed, the gpu tests skipped"
+else
+  VERDICT=passed
 fi
 summary
 [ "$test_rc" = 0 ] || exit 1
