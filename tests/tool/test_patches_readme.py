@@ -68,3 +68,15 @@ def test_each_lmcache_patch_names_the_pull_request_the_pr_map_puts_it_in():
     assert pr_of.keys() == rows.keys(), "docs/pr-map.md and patches/README.md group different patches"
     wrong = {number: (cells[1], pr_of[number]) for number, cells in rows.items() if cells[1] != pr_of[number]}
     assert not wrong, f"{README}: patch -> (PR in the README, PR in docs/pr-map.md): {wrong}"
+
+
+def test_each_patch_count_in_the_docs_is_the_series_length():
+    """README.md, docs/pr-map.md and patches/README.md say how many LMCache patches there are; a
+    count left behind when a patch is added reads as a different series to an operator or reviewer."""
+    count = len(series_entries(ROOT / "patches" / "lmcache" / "series"))
+    stale = []
+    for doc in (ROOT / "README.md", ROOT / "docs" / "pr-map.md", README):
+        for number in re.findall(r"\b(\d+) (?:LMCache )?patches\b", doc.read_text()):
+            if int(number) != count:
+                stale.append(f"{doc.relative_to(ROOT)}: {number}")
+    assert not stale, f"patch counts that are not the {count} of patches/lmcache/series: {stale}"
