@@ -35,6 +35,11 @@ ARG NIXL_VERSION=1.4.1
 # libfabric for NIXL over EFA: Debian trixie's source package's upstream tarball (pool, by sha256).
 ARG LIBFABRIC_VERSION=2.1.0
 ARG LIBFABRIC_ORIG_SHA256=1a66369772d5bb151737214af1c478993e969cf298e8f9ed369e7a2ab8d8c6df
+# rdma-core (libibverbs, librdmacm, libefa) under libfabric: trixie's source package's upstream
+# tarball, the same way. Bookworm's 44 has no EFA RDMA write (libefa v46) and no unsolicited
+# write receive (v52), so libfabric's efa provider would emulate every NIXL write.
+ARG RDMA_CORE_VERSION=56.1
+ARG RDMA_CORE_ORIG_SHA256=63ce7f2baa7242c2dbc76375dac957c420187dd27f8c5e148efc07971ee522a8
 # B300 only: LMCache's c_ops as sm_103a SASS; FlashInfer's fused-MoE module the same.
 ARG TORCH_CUDA_ARCH_LIST=10.3a
 ARG FLASHINFER_CUDA_ARCH_LIST=10.3a
@@ -137,19 +142,38 @@ RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
 ######################## libfabric: NIXL over EFA ########################
 # nixl-cu13 1.4.1 (vLLM 0.31.0's own pin, requirements/kv_connectors.txt) links libfabric at
 # FABRIC_1.7; bookworm's libfabric1 is 1.17 (FABRIC_1.5) and its LIBFABRIC backend does not load
-# (NIXL_ERR_NOT_FOUND). Debian trixie's libfabric 2.1.0 source, built here on bookworm's
-# rdma-core (libefa from ibverbs-providers) with the efa, shm, tcp, rxm and verbs providers, and
-# CUDA memory support (dlopen of the driver's libcuda and libnvidia-ml, nvml.h from the pinned
-# toolchain): GPUDirect RDMA of the KV cache over EFA. Configure fails if EFA's efadv is absent.
+# (NIXL_ERR_NOT_FOUND). Debian trixie's libfabric 2.1.0 source, built here on trixie's rdma-core
+# 56.1 source (built first, into /opt/rdma-core: libibverbs, librdmacm, libefa and the other
+# verbs providers) with the efa, shm, tcp, rxm and verbs providers, and CUDA memory support
+# (dlopen of the driver's libcuda and libnvidia-ml, nvml.h from the pinned toolchain): GPUDirect
+# RDMA of the KV cache over EFA. The stage fails unless libfabric's efa provider sees EFA's RDMA
+# write and unsolicited write receive in rdma-core's efadv.h.
 FROM toolchain AS libfabric
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG LIBFABRIC_VERSION
 ARG LIBFABRIC_ORIG_SHA256
+ARG RDMA_CORE_VERSION
+ARG RDMA_CORE_ORIG_SHA256
 ARG MAX_JOBS
 ARG SOURCE_DATE_EPOCH
-# autoconf automake libtool pkg-config libibverbs-dev librdmacm-dev xz-utils (build/lock/debian.txt [libfabric]).
+# autoconf automake libtool pkg-config cmake libnl-3-dev libnl-route-3-dev xz-utils (build/lock/debian.txt [libfabric]).
 RUN python3 /usr/local/lib/glm53/aptpin.py install --lock /opt/glm53/lock/debian.txt --stage libfabric
 COPY image/imagectl/debsource.py /src/scripts/imagectl/debsource.py
+# No man pages (pandoc), no pyverbs (cython), no static libraries; udev and systemd are only
+# for the daemons. The libraries find their providers and drivers under /opt/rdma-core, the
+# path the runtime keeps.
+WORKDIR /work/rdma-core
+RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
+    with-build-ca python3 /src/scripts/imagectl/debsource.py --source rdma-core \
+      --file "rdma-core_${RDMA_CORE_VERSION}.orig.tar.gz" --sha256 "${RDMA_CORE_ORIG_SHA256}" \
+      --cache /var/cache/dist/debian-src --out /work/rdma-core/orig.tar.gz \
+    && tar -xzf orig.tar.gz --strip-components=1 && rm orig.tar.gz \
+    && cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=/opt/rdma-core \
+         -DCMAKE_INSTALL_LIBDIR=lib -DCMAKE_INSTALL_SYSCONFDIR=/opt/rdma-core/etc \
+         -DNO_MAN_PAGES=1 -DNO_PYVERBS=1 -DENABLE_STATIC=0 -DENABLE_RESOLVE_NEIGH=1 >/dev/null \
+    && make -C build -j"${MAX_JOBS}" >/dev/null && make -C build install >/dev/null \
+    && grep -q "EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE" /opt/rdma-core/include/infiniband/efadv.h \
+    || { echo "rdma-core ${RDMA_CORE_VERSION}: no libefa with EFA RDMA write under /opt/rdma-core" >&2; exit 1; }
 WORKDIR /work/libfabric
 RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
     with-build-ca python3 /src/scripts/imagectl/debsource.py --source libfabric \
@@ -157,17 +181,24 @@ RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
       --cache /var/cache/dist/debian-src --out /work/libfabric/orig.tar.xz \
     && tar -xJf orig.tar.xz --strip-components=1 && rm orig.tar.xz \
     && ./autogen.sh >/dev/null \
+    && export C_INCLUDE_PATH=/opt/rdma-core/include LIBRARY_PATH=/opt/rdma-core/lib LD_LIBRARY_PATH=/opt/rdma-core/lib \
     && ./configure --prefix=/opt/libfabric --disable-static --enable-only \
          --enable-efa=yes --enable-shm=yes --enable-tcp=yes --enable-rxm=yes --enable-verbs=yes \
          --with-cuda=/opt/cuda --enable-cuda-dlopen >/dev/null \
     && make -j"${MAX_JOBS}" >/dev/null && make install >/dev/null \
     && rm -rf /opt/libfabric/lib/*.la /opt/libfabric/share \
-    && providers="$(LD_LIBRARY_PATH=/opt/libfabric/lib /opt/libfabric/bin/fi_info -l)" \
+    && providers="$(LD_LIBRARY_PATH=/opt/libfabric/lib:/opt/rdma-core/lib /opt/libfabric/bin/fi_info -l)" \
     && for p in efa shm tcp ofi_rxm verbs; do \
          printf '%s\n' "$providers" | grep -qx "${p}:" || { echo "libfabric ${LIBFABRIC_VERSION}: provider ${p} not built: ${providers}" >&2; exit 1; }; \
        done \
     && { grep -q '#define HAVE_CUDA 1' config.h || { echo "libfabric ${LIBFABRIC_VERSION}: built without CUDA memory support" >&2; exit 1; }; } \
+    && for cap in HAVE_CAPS_RDMA_WRITE HAVE_CAPS_UNSOLICITED_WRITE_RECV; do \
+         grep -q "#define ${cap} 1" config.h || { echo "libfabric ${LIBFABRIC_VERSION}: efa provider built without ${cap} (rdma-core ${RDMA_CORE_VERSION})" >&2; exit 1; }; \
+       done \
     && mkdir -p /out/lib /out/bin && cp -L /opt/libfabric/lib/libfabric.so.1 /out/lib/ && cp /opt/libfabric/bin/fi_info /out/bin/ \
+    && mkdir -p /out-rdma/lib && cp -a /opt/rdma-core/lib/*.so.* /opt/rdma-core/lib/libibverbs /out-rdma/lib/ \
+    && mkdir -p /out-rdma/etc /out-rdma/bin && cp -a /opt/rdma-core/etc/libibverbs.d /out-rdma/etc/ \
+    && cp /opt/rdma-core/bin/ibv_devices /opt/rdma-core/bin/ibv_devinfo /out-rdma/bin/ \
     && rm -rf autom4te.cache config.log
 WORKDIR /
 
@@ -270,19 +301,28 @@ ARG BASE_IMAGE
 # The run-time JIT's host side: gcc (Triton's launcher stub), g++ (FlashInfer's
 # and DeepGEMM's host code, nvcc's host compiler), python3-dev (Python.h, which
 # Triton's stub and FlashInfer's modules include via sysconfig's include dir).
-# rdma-core's libraries (libibverbs1, librdmacm1, ibverbs-providers: libefa, libmlx5) for
-# NIXL's UCX RDMA transports and the libfabric stage's build (NIXL's LIBFABRIC plugin, EFA);
-# the plugin also links libhwloc.so.15 (libhwloc15).
-# gcc g++ libc6-dev python3-dev libibverbs1 librdmacm1 ibverbs-providers libhwloc15 libnuma1 ca-certificates tini
+# rdma-core's libraries come from the libfabric stage (below), not from Debian: libibverbs and
+# librdmacm link libnl (libnl-3-200, libnl-route-3-200); NIXL's LIBFABRIC plugin also links
+# libhwloc.so.15 (libhwloc15).
+# gcc g++ libc6-dev python3-dev libnl-3-200 libnl-route-3-200 libhwloc15 libnuma1 ca-certificates tini
 # (build/lock/debian.txt [runtime]).
 ARG SOURCE_DATE_EPOCH
 RUN python3 /usr/local/lib/glm53/aptpin.py install --lock /opt/glm53/lock/debian.txt --stage runtime
-# The image's one libfabric (the libfabric stage): on the loader's path, and fi_info on PATH.
+# The image's one libfabric and one rdma-core (the libfabric stage: libibverbs, librdmacm, libefa,
+# libmlx5 and the other verbs providers, for libfabric and NIXL's bundled UCX): on the loader's
+# path, and fi_info, ibv_devices and ibv_devinfo on PATH.
 COPY --from=libfabric /out/ /opt/libfabric/
-RUN echo /opt/libfabric/lib > /etc/ld.so.conf.d/glm53-libfabric.conf && ldconfig && rm -f /var/cache/ldconfig/aux-cache \
+COPY --from=libfabric /out-rdma/ /opt/rdma-core/
+RUN printf '%s\n' /opt/libfabric/lib /opt/rdma-core/lib > /etc/ld.so.conf.d/glm53-libfabric.conf \
+    && ldconfig && rm -f /var/cache/ldconfig/aux-cache \
     && ln -s /opt/libfabric/bin/fi_info /usr/local/bin/fi_info \
-    && [ "$(ldconfig -p | grep -c 'libfabric\.so\.1 ')" = 1 ] \
-    || { echo "runtime: want exactly one libfabric.so.1 (/opt/libfabric/lib): $(ldconfig -p | grep libfabric)" >&2; exit 1; }
+    && ln -s /opt/rdma-core/bin/ibv_devices /opt/rdma-core/bin/ibv_devinfo /usr/local/bin/ \
+    && for lib in libfabric libibverbs librdmacm libefa; do \
+         [ "$(ldconfig -p | grep -c "${lib}\.so\.1 ")" = 1 ] \
+         || { echo "runtime: want exactly one ${lib}.so.1 (/opt): $(ldconfig -p | grep "${lib}")" >&2; exit 1; }; \
+       done \
+    && ldd /opt/libfabric/lib/libfabric.so.1 | grep -q '/opt/rdma-core/lib/libefa\.so\.1' \
+    || { echo "runtime: libfabric does not load /opt/rdma-core's libefa: $(ldd /opt/libfabric/lib/libfabric.so.1)" >&2; exit 1; }
 # The venv's own pip: its timestamped .pyc replaced by unchecked-hash ones (PYTHONHASHSEED=0).
 # PYTHONDONTWRITEBYTECODE and -f: the venv's distutils-precedence.pth imports _distutils_hack when
 # compileall's own interpreter starts, which wrote a timestamped .pyc that compileall then kept

@@ -257,7 +257,7 @@ def check_nixl(backends: list[str], probe: Callable[[tuple[str, ...]], tuple[dic
 EFA_DEVICES_ENV = "GLM53_EFA_DEVICES"
 EFA_DOMAIN = re.compile(r"^\s*domain:\s*(\S+?)(?:-rdm|-dgrm)?\s*$")
 EFA_FIX = ("the image's libfabric 2.1.0 enumerates EFA devices through libibverbs and the efa provider of "
-           "Debian's rdma-core (docs/image.md: NIXL over EFA): check `fi_info -p efa` and `ibv_devices` in the "
+           "the image's rdma-core 56.1 (docs/image.md: NIXL over EFA): check `fi_info -p efa` and `ibv_devices` in the "
            "container, the EFA kernel driver on the node, and that the pod's vpc.amazonaws.com/efa devices "
            f"are all passed (--device /dev/infiniband/uverbsN); {EFA_DEVICES_ENV}=N states the count expected")
 

@@ -143,6 +143,9 @@ SOURCE_BUILT = (
     {"name": "libfabric", "version": "2.1.0", "path": "/opt/libfabric/lib/libfabric.so.1",
      "source": "Debian trixie pool: libfabric_2.1.0.orig.tar.xz",
      "source_sha256": "1a66369772d5bb151737214af1c478993e969cf298e8f9ed369e7a2ab8d8c6df"},
+    {"name": "rdma-core", "version": "56.1", "path": "/opt/rdma-core/lib/libibverbs.so.1",
+     "source": "Debian trixie pool: rdma-core_56.1.orig.tar.gz",
+     "source_sha256": "63ce7f2baa7242c2dbc76375dac957c420187dd27f8c5e148efc07971ee522a8"},
 )
 
 

@@ -151,17 +151,22 @@ def test_the_whole_image_sbom_of_this_machine_has_all_three_kinds() -> None:
     assert len(refs) == len(set(refs))
 
 
-def test_the_source_built_libfabric_is_a_component_with_its_pinned_source(tmp_path: Path) -> None:
-    """The image builds libfabric from a pinned tarball (the Dockerfile's libfabric stage): the SBOM
-    lists the built library by its sha256 and the source by the Dockerfile's pin."""
+def test_each_source_built_library_is_a_component_with_its_pinned_source(tmp_path: Path) -> None:
+    """The image builds libfabric and rdma-core from pinned tarballs (the Dockerfile's libfabric
+    stage): the SBOM lists each built library by its sha256 and its source by the Dockerfile's pin."""
     import re
 
     dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
-    (entry,) = sbom.SOURCE_BUILT
-    assert f"ARG LIBFABRIC_VERSION={entry['version']}" in dockerfile
-    assert f"ARG LIBFABRIC_ORIG_SHA256={entry['source_sha256']}" in dockerfile
-    assert (re.search(r"COPY --from=libfabric /out/ /opt/libfabric/", dockerfile)
-            and entry["path"].startswith("/opt/libfabric/lib/"))
+    copies = {"libfabric": r"COPY --from=libfabric /out/ /opt/libfabric/",
+              "rdma-core": r"COPY --from=libfabric /out-rdma/ /opt/rdma-core/"}
+    assert [entry["name"] for entry in sbom.SOURCE_BUILT] == ["libfabric", "rdma-core"]
+    for entry in sbom.SOURCE_BUILT:
+        arg = entry["name"].upper().replace("-", "_")
+        assert f"ARG {arg}_VERSION={entry['version']}" in dockerfile
+        assert f"ARG {arg}_ORIG_SHA256={entry['source_sha256']}" in dockerfile
+        folder = "/opt/" + entry["name"] + "/lib/"
+        assert re.search(copies[entry["name"]], dockerfile) and entry["path"].startswith(folder)
+    entry = sbom.SOURCE_BUILT[0]
     built = tmp_path / "libfabric.so.1"
     built.write_bytes(b"\x7fELF built")
     (comp,) = sbom.source_built_components(({**entry, "path": str(built)},))

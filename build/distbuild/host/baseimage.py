@@ -33,10 +33,13 @@ LOCK_LABEL = "io.glm53.base.debian-lock.sha256"
 STAGE_PACKAGES = {
     # git/g++/make for the build tool and the extensions; python3-dev: LMCache's C++/CUDA extensions include Python.h.
     "build-base": ("git", "g++", "make", "python3-dev", "ca-certificates"),
-    # libfabric 2.1.0 from Debian's source tarball, for NIXL over EFA (efadv, rdmacm; autogen.sh).
-    "libfabric": ("autoconf", "automake", "libtool", "pkg-config", "libibverbs-dev", "librdmacm-dev", "xz-utils"),
-    # The run-time JIT's host side (gcc, g++, libc6-dev, python3-dev), NIXL's libraries, tini.
-    "runtime": ("gcc", "g++", "libc6-dev", "python3-dev", "libibverbs1", "librdmacm1", "ibverbs-providers",
+    # rdma-core 56.1 (cmake; libnl for libibverbs' neighbour resolution) and libfabric 2.1.0 on it,
+    # both from Debian trixie's source tarballs, for NIXL over EFA (autogen.sh).
+    "libfabric": ("autoconf", "automake", "libtool", "pkg-config", "cmake", "libnl-3-dev", "libnl-route-3-dev",
+                  "xz-utils"),
+    # The run-time JIT's host side (gcc, g++, libc6-dev, python3-dev), what the libfabric stage's
+    # rdma-core and NIXL's plugin link (libnl, libhwloc15), tini.
+    "runtime": ("gcc", "g++", "libc6-dev", "python3-dev", "libnl-3-200", "libnl-route-3-200",
                 "libhwloc15", "libnuma1", "ca-certificates", "tini"),
 }
 
