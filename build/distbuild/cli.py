@@ -132,18 +132,31 @@ def cmd_forward(args: argparse.Namespace, layout: Layout) -> int:
     return 0 if verdict.good else 1
 
 
+def series_dirs(layout: Layout, upstream: str) -> list[Path]:
+    """The upstream's series folder, then each forward-port of it (``patches/<upstream>-<version>/``
+    with a ``series`` file): a forwarded series goes upstream too, so it is held to the same rules."""
+    forward = sorted(d for d in layout.patches.glob(f"{upstream}-*") if (d / "series").is_file())
+    return [layout.series_dir(upstream), *forward]
+
+
+def _series_problems(patches: list) -> list[str]:
+    problems = []
+    for patch in patches:
+        problems.extend(check_headers(patch))
+        problems.extend(generated_file_problems(patch.path))
+    problems.extend(identity_problems(patches))
+    notice = placeholder_notice(patches)
+    if notice:
+        print(notice)
+    return problems
+
+
 def cmd_lint(args: argparse.Namespace, layout: Layout) -> int:
     pins = pins_step.load(layout.pins_file)
     problems = []
     for upstream in pins_step.upstream_names(pins):
-        patches = load_series(layout.series_dir(upstream))
-        for patch in patches:
-            problems.extend(check_headers(patch))
-            problems.extend(generated_file_problems(patch.path))
-        problems.extend(identity_problems(patches))
-        notice = placeholder_notice(patches)
-        if notice:
-            print(notice)
+        for directory in series_dirs(layout, upstream):
+            problems.extend(_series_problems(load_series(directory)))
     venv_python = layout.work / "venv" / "bin" / "python"
     isort_python = str(venv_python) if venv_python.is_file() else sys.executable
     for upstream in pins_step.upstream_names(pins):

@@ -161,6 +161,22 @@ def test_missing_dep3_headers_fail_lint(demo, capsys):
     assert "no Signed-off-by" in err and "no DEP-3 Forwarded" in err
 
 
+def test_lint_holds_a_forward_port_series_to_the_same_rules(demo, capsys):
+    """patches/<upstream>-<version>/ (a series rebased on a newer release) goes upstream too: its
+    headers, generated files and identity are checked as the pinned series' are."""
+    demo.series(GOOD)
+    forward = demo.root / "patches" / "demo-2.0"
+    forward.mkdir()
+    (forward / GOOD[0]).write_text(GOOD[1].replace("Signed-off-by: Dev <dev@localhost>\n", ""))
+    (forward / "series").write_text(f"{GOOD[0]}\n")
+    assert demo.run("lint") == 1
+    captured = capsys.readouterr()
+    assert f"{forward / GOOD[0]}: no Signed-off-by" in captured.err
+    assert f"{forward}/series: not DCO-ready" in captured.out
+    (forward / GOOD[0]).write_text(GOOD[1])
+    assert demo.run("lint") == 0
+
+
 def test_a_bug_field_that_is_not_a_url_fails_lint(demo, capsys):
     text = GOOD[1].replace("Forwarded: not-yet\n", "Forwarded: not-yet\nBug: the GET hangs (write-up #5551)\n")
     demo.series(("0001-ok.patch", text))
