@@ -238,6 +238,8 @@ def test_every_vllm_import_is_found_with_its_scope_and_whether_a_miss_is_handled
         ("vllm.v1.attention.backends.utils", "get_kv_cache_layout"): ("function", False),
     }
     assert {"kv_cache_groups", "kv_cache_spec"} <= vllmsurface.names_read(ADAPTER_SNIPPET)
+    own = "class Key:\n    kv_rank: int\n\n\nclass Engine:\n    def __init__(self):\n        self.layout = None\n"
+    assert vllmsurface.names_defined(own) == {"kv_rank", "layout"}
 
 
 WRAPPER_SNIPPET = '''

@@ -349,7 +349,8 @@ def parameter_changes(old: list | None, new: list | None) -> list[str]:
     return out
 
 
-def _members_differences(target: str, old: dict, new: dict, version: str) -> list[str]:
+def _members_differences(target: str, old: dict, new: dict, version: str, own: frozenset[str] = frozenset()
+                         ) -> list[str]:
     out = []
     key = "init" if old.get("kind") == "class" else "params"
     changes = parameter_changes(old.get(key), new.get(key)) if old.get("called") or new.get("called") else []
@@ -359,7 +360,9 @@ def _members_differences(target: str, old: dict, new: dict, version: str) -> lis
     old_members, new_members = old.get("members") or {}, new.get("members") or {}
     for name, described in old_members.items():
         if name not in new_members:
-            out.append(f"{target}.{name}: gone in {version} (was {described})")
+            also = " (LMCache's own objects have a member of that name too: perhaps not this class's)" \
+                if name in own else ""
+            out.append(f"{target}.{name}: gone in {version} (was {described}){also}")
         elif new_members[name] != described:
             out.append(f"{target}.{name}: {type_change(described, new_members[name])}")
     added_abstract = sorted(set(new.get("abstract") or []) - set(old.get("abstract") or []))
@@ -426,7 +429,8 @@ def adapter_differences(old: dict, new: dict, version: str) -> list[str]:
         if new_error and not old_err:
             out.append(f"{target}: {new_error}")
         elif new_value and old_value:
-            out += _members_differences(target, old_value, new_value, version)
+            out += _members_differences(target, old_value, new_value, version,
+                                        frozenset(new_adapter.get("lmcache_defines") or ()))
     out += base_hooks(old_adapter, new_adapter, version)
     calls, error = _value(new_adapter.get("wrapper_calls"))
     old_calls, _ = _value(old_adapter.get("wrapper_calls"))

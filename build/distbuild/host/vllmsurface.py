@@ -726,6 +726,22 @@ def describe_target(target: str, used: set[str], called: set[str], full: bool) -
     return {"kind": type(obj).__name__}
 
 
+def names_defined(source: str) -> set[str]:
+    """Attribute names ``source``'s own classes define: ``self.x = ...`` and annotated class fields. A vLLM
+    member LMCache seems to read may be LMCache's own object's of the same name."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                names.add(target.attr)
+        if isinstance(node, ast.ClassDef):
+            names |= {item.target.id for item in node.body
+                      if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+    return names
+
+
 def names_called(source: str) -> set[str]:
     """The names ``source`` calls: ``f(...)`` and ``x.f(...)``."""
     names = set()
@@ -749,12 +765,14 @@ def describe_adapter() -> dict[str, Any]:
     # (kv_cache_guard and kv_layout read vLLM's specs by duck typing, importing nothing of vLLM).
     used: set[str] = set()
     called: set[str] = set()
+    own: set[str] = set()
     for name in sorted(loaded):
         source = getattr(sys.modules.get(name), "__file__", None)
         if source and source.endswith(".py"):
             text = Path(source).read_text(errors="replace")
             used |= names_read(text)
             called |= names_called(text)
+            own |= names_defined(text)
     imports = [{**asdict(use), **resolve_use(use), "on_path": module_of[use.file] in loaded} for use in uses]
     helpers = []
     for rel in PROJECT_VLLM_FILES:
@@ -771,6 +789,7 @@ def describe_adapter() -> dict[str, Any]:
         "targets": described,
         "wrapper_calls": guarded(wrapper_calls),
         "wrapper_defines": guarded(lambda: sorted(n for n in vars(resolve(VLLM_WRAPPER)) if not n.startswith("__"))),
+        "lmcache_defines": sorted(own & used),
     }
 
 
