@@ -6,7 +6,7 @@ WORK ?= $(CURDIR)/work
 DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
 FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
 
-.PHONY: help gpu-bundles gpu-rehearsal image image-check image-repro lock-debian lock test stress sources fetch flashinfer-artifacts patched export health forward manifest lint pin audit chart picture clean
+.PHONY: help gpu-bundles gpu-rehearsal image image-check image-repro lock-debian lock test stress sources fetch flashinfer-artifacts patched export health forward probe-vllm manifest lint pin audit chart picture clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -66,6 +66,10 @@ health: ## try the series against another release, e.g. make health UPSTREAM=lmc
 forward: ## check the series exactly on a newer release pinned in build/forward.toml, and FlashInfer's kernel there: make forward UPSTREAM=flashinfer==0.7.4 [OFFSETS=1] [BUNDLE=1] [TEST_PYTHON=..]
 	@test -n "$(UPSTREAM)" || { echo "make forward: set UPSTREAM=NAME==VERSION, e.g. flashinfer==0.7.4 (pinned in build/forward.toml)" >&2; exit 2; }
 	$(DIST) forward $(UPSTREAM) $(if $(filter 1,$(OFFSETS)),--allow-offsets) $(if $(filter 1,$(BUNDLE)),--bundle) $(if $(TEST_PYTHON),--test-python $(TEST_PYTHON))
+
+probe-vllm: ## what the presets, the CPU overlay and LMCache's adapter meet on another vLLM: make probe-vllm VERSION=0.34.0 [WHEEL_ONLY=1] [NO_ENGINE=1]
+	@test -n "$(VERSION)" || { echo "make probe-vllm: set VERSION=<vLLM release>, e.g. VERSION=0.34.0" >&2; exit 2; }
+	$(DIST) probe-vllm $(VERSION) $(if $(filter 1,$(WHEEL_ONLY)),--wheel-only) $(if $(filter 1,$(NO_ENGINE)),--no-engine)
 
 manifest: ## rewrite work/manifest.json
 	$(DIST) manifest

