@@ -172,8 +172,8 @@ RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
          -DCMAKE_INSTALL_LIBDIR=lib -DCMAKE_INSTALL_SYSCONFDIR=/opt/rdma-core/etc \
          -DNO_MAN_PAGES=1 -DNO_PYVERBS=1 -DENABLE_STATIC=0 -DENABLE_RESOLVE_NEIGH=1 >/dev/null \
     && make -C build -j"${MAX_JOBS}" >/dev/null && make -C build install >/dev/null \
-    && grep -q "EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE" /opt/rdma-core/include/infiniband/efadv.h \
-    || { echo "rdma-core ${RDMA_CORE_VERSION}: no libefa with EFA RDMA write under /opt/rdma-core" >&2; exit 1; }
+    && { grep -q "EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE" /opt/rdma-core/include/infiniband/efadv.h \
+         || { echo "rdma-core ${RDMA_CORE_VERSION}: no libefa with EFA RDMA write under /opt/rdma-core" >&2; exit 1; }; }
 WORKDIR /work/libfabric
 RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
     with-build-ca python3 /src/scripts/imagectl/debsource.py --source libfabric \
@@ -321,8 +321,8 @@ RUN printf '%s\n' /opt/libfabric/lib /opt/rdma-core/lib > /etc/ld.so.conf.d/glm5
          [ "$(ldconfig -p | grep -c "${lib}\.so\.1 ")" = 1 ] \
          || { echo "runtime: want exactly one ${lib}.so.1 (/opt): $(ldconfig -p | grep "${lib}")" >&2; exit 1; }; \
        done \
-    && ldd /opt/libfabric/lib/libfabric.so.1 | grep -q '/opt/rdma-core/lib/libefa\.so\.1' \
-    || { echo "runtime: libfabric does not load /opt/rdma-core's libefa: $(ldd /opt/libfabric/lib/libfabric.so.1)" >&2; exit 1; }
+    && { ldd /opt/libfabric/lib/libfabric.so.1 | grep -q '/opt/rdma-core/lib/libefa\.so\.1' \
+         || { echo "runtime: libfabric does not load /opt/rdma-core's libefa: $(ldd /opt/libfabric/lib/libfabric.so.1)" >&2; exit 1; }; }
 # The venv's own pip: its timestamped .pyc replaced by unchecked-hash ones (PYTHONHASHSEED=0).
 # PYTHONDONTWRITEBYTECODE and -f: the venv's distutils-precedence.pth imports _distutils_hack when
 # compileall's own interpreter starts, which wrote a timestamped .pyc that compileall then kept
