@@ -322,3 +322,28 @@ def test_the_flags_name_the_steps_they_skip(tmp_path):
     steps = forward_lmcache.LMCacheForward(REPO, setup, tmp_path, "9.9").steps()
     assert [(name, action is None) for name, action in steps] == [
         ("build", False), ("proofs", False), ("suite", True), ("engine", True)]
+
+
+def test_a_restated_reason_is_read_with_its_regex_and_a_broken_regex_is_refused(tmp_path):
+    line = "0001-a.patch proof tests/x.py::test_y fails with /layer\\.attn': 'NL_X/: the release reads it another way"
+    (tmp_path / "fails-with").write_text(f"# why\n{line}\n")
+    (entry,) = forward_lmcache.restated(tmp_path, ["0001-a.patch"])
+    assert (entry.node, entry.regex, entry.why) == ("tests/x.py::test_y", "layer\\.attn': 'NL_X",
+                                                    "the release reads it another way")
+    (tmp_path / "fails-with").write_text("0001-a.patch proof tests/x.py::test_y fails with /(unclosed/: why\n")
+    with pytest.raises(DistBuildError, match=r"fails-with: the regex of tests/x.py::test_y does not compile"):
+        forward_lmcache.restated(tmp_path, ["0001-a.patch"])
+    (tmp_path / "fails-with").write_text("0001-a.patch proof tests/x.py::test_y: no regex\n")
+    with pytest.raises(DistBuildError, match=r"fails-with:1: not '<patch file> proof <test node id> fails with"):
+        forward_lmcache.restated(tmp_path, ["0001-a.patch"])
+
+
+def test_the_056_restated_reasons_name_proofs_of_their_patch():
+    folder = REPO / "patches" / "lmcache-0.5.6"
+    for entry in forward_lmcache.restated(folder, series_entries(folder / "series")):
+        path, test = entry.node.split("::")
+        text = (REPO / path).read_text()
+        assert f"def {test}(" in text
+        marked = text[:text.index(f"def {test}(")].rsplit("@pytest.mark.fixes(", 1)[1]
+        constant = marked.split(",", 1)[0].strip()
+        assert entry.patch in (constant.strip("\"'"), re.search(rf'^{constant} = "(.+)"', text, re.M)[1])

@@ -265,3 +265,28 @@ def test_plain():
     assert records["test_proof.py::test_passes"]["outcome"] == "passed"
     assert records["test_proof.py::test_setup"]["outcome"] == "setup failed"
     assert records["test_proof.py::test_setup"]["got"] == "OSError: port taken"
+
+
+def test_a_restated_reason_replaces_the_proofs_own(pytester, monkeypatch, tmp_path):
+    import json
+
+    restated = tmp_path / "restated.json"
+    restated.write_text(json.dumps({"test_proof.py::test_case": "latent read as fused"}))
+    monkeypatch.setenv("DIST_PROOF_RESTATED", str(restated))
+    monkeypatch.setenv("DIST_LMCACHE_TREE", f"without:{PATCH}")
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_proof=f"""import pytest
+PATCH = {PATCH!r}
+@pytest.mark.fixes(PATCH, fails_with=r"indexer read as fused")
+@pytest.mark.parametrize("n", [1, 2])
+def test_case(n):
+    assert False, "latent read as fused"
+
+@pytest.mark.fixes(PATCH, fails_with=r"indexer read as fused")
+def test_other():
+    assert False, "latent read as fused"
+""")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "tests.support.proof_reasons", "-q")
+    result.assert_outcomes(xfailed=2, failed=1)   # both cases restated; the proof not declared keeps its reason
+    result.stdout.fnmatch_lines(["*failed without it for another reason: expected /indexer read as fused/*",
+                                "FAILED test_proof.py::test_other*"])

@@ -44,13 +44,17 @@ from ..series import Patch
 
 PROOF_PLUGIN = "tests.support.proof_reasons"
 REASONS_ENV = "DIST_PROOF_REASONS"
+RESTATED_ENV = "DIST_PROOF_RESTATED"
 NOT_APPLICABLE = "not-applicable"
+RESTATED = "fails-with"
 # Folders of <out> a new run keeps: the venvs and the pristine install, each rebuilt only when what it is made
 # from changed (testenv's stamps); the rest of <out> is this run's.
 KEPT = ("venv", "venv-engine", "lmcache-pristine")
 # How often a long pytest run or build says how far it got.
 HEARTBEAT_S = 60.0
 NOT_APPLICABLE_RULE = re.compile(r"^(?P<patch>\S+\.patch)\s+proof\s+(?P<node>\S+):\s+(?P<why>\S.*)$")
+RESTATED_RULE = re.compile(r"^(?P<patch>\S+\.patch)\s+proof\s+(?P<node>\S+)\s+fails with "
+                           r"/(?P<regex>.+)/:\s+(?P<why>\S.*)$")
 
 
 @dataclass(frozen=True)
@@ -87,28 +91,58 @@ class NotApplicable:
         return junit_name(self.node)
 
 
-def not_applicable(series_dir: Path, patches: list[str]) -> list[NotApplicable]:
-    """The series folder's ``not-applicable`` lines, ``<patch file> proof <test node id>: <why>``; none when
-    the file is absent."""
-    path = series_dir / NOT_APPLICABLE
+def _declarations(path: Path, rule: re.Pattern[str], form: str, patches: list[str]) -> list[re.Match[str]]:
+    """The lines of a series folder's declaration file that match ``rule`` (``form`` says how one reads), each
+    naming a patch of the series and a test node id once; none when the file is absent."""
     if not path.is_file():
         return []
-    found: list[NotApplicable] = []
+    found: list[re.Match[str]] = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         text = line.strip()
         if not text or text.startswith("#"):
             continue
-        match = NOT_APPLICABLE_RULE.match(text)
+        match = rule.match(text)
         if match is None:
-            raise DistBuildError(f"{path}:{number}: not '<patch file> proof <test node id>: <why>': {text[:80]}")
+            raise DistBuildError(f"{path}:{number}: not '{form}': {text[:80]}")
         if match["patch"] not in patches:
-            raise DistBuildError(f"{path}:{number}: {match['patch']} is not in {series_dir / 'series'}")
+            raise DistBuildError(f"{path}:{number}: {match['patch']} is not in {path.parent / 'series'}")
         if not match["node"].startswith("tests/") or ".py::" not in match["node"]:
             raise DistBuildError(f"{path}:{number}: {match['node']!r} is not a test node id "
                                  "(tests/<folder>/<file>.py::<test>)")
-        if any(entry.node == match["node"] for entry in found):
+        if any(earlier["node"] == match["node"] for earlier in found):
             raise DistBuildError(f"{path}:{number}: {match['node']} is declared twice")
-        found.append(NotApplicable(match["patch"], match["node"], match["why"]))
+        found.append(match)
+    return found
+
+
+def not_applicable(series_dir: Path, patches: list[str]) -> list[NotApplicable]:
+    """The series folder's ``not-applicable`` lines, ``<patch file> proof <test node id>: <why>``."""
+    return [NotApplicable(m["patch"], m["node"], m["why"])
+            for m in _declarations(series_dir / NOT_APPLICABLE, NOT_APPLICABLE_RULE,
+                                   "<patch file> proof <test node id>: <why>", patches)]
+
+
+@dataclass(frozen=True)
+class Restated:
+    """A proof whose failure shows differently on this release: the reason it states there."""
+    patch: str
+    node: str   # pytest node id (a prefix: a parametrized test's every case)
+    regex: str  # its fails_with on this release
+    why: str
+
+
+def restated(series_dir: Path, patches: list[str]) -> list[Restated]:
+    """The series folder's ``fails-with`` lines, ``<patch file> proof <test node id> fails with /<regex>/:
+    <why>``; a regex that does not compile is refused."""
+    path = series_dir / RESTATED
+    found = []
+    for m in _declarations(path, RESTATED_RULE, "<patch file> proof <test node id> fails with /<regex>/: <why>",
+                           patches):
+        try:
+            re.compile(m["regex"])
+        except re.error as exc:
+            raise DistBuildError(f"{path}: the regex of {m['node']} does not compile: {exc}") from None
+        found.append(Restated(m["patch"], m["node"], m["regex"], m["why"]))
     return found
 
 
@@ -153,6 +187,9 @@ def _newest_log(folder: Path) -> Path:
     return logs[-1] if logs else folder / "(no log yet)"
 
 
+_PRINT = threading.Lock()  # one heartbeat line at a time: runs side by side print from their own threads
+
+
 @contextlib.contextmanager
 def heartbeat(label: str, where: Callable[[], Path], every_s: float = HEARTBEAT_S) -> Iterator[None]:
     """Every ``every_s`` while the block runs, one line: the minutes so far and how far the log says it got."""
@@ -162,8 +199,9 @@ def heartbeat(label: str, where: Callable[[], Path], every_s: float = HEARTBEAT_
     def beat() -> None:
         while not stop.wait(every_s):
             log = where()
-            print(f"  ... {label}: {(time.monotonic() - started) / 60:.1f} min, {_progress(log)} (log {log})",
-                  flush=True)
+            line = f"  ... {label}: {(time.monotonic() - started) / 60:.1f} min, {_progress(log)} (log {log})"
+            with _PRINT:
+                print(line, flush=True)
 
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
@@ -296,6 +334,7 @@ class LMCacheForward:
         self.python: Path | None = None
         self.envs: dict[str, dict[str, str]] = {}
         self.extra: dict[str, str] = {}
+        self.restated: list[Restated] = []
         self.series_wheel: Path | None = None
 
     @property
@@ -333,7 +372,8 @@ class LMCacheForward:
         self.python, self.series_wheel = python, wheels["patched"]
         # Helm, promtool and the router, as make test gives them (the chaos proof renders the chart with Helm)
         tools = self.setup.deploy_tools(self.logs) if self.setup.deploy_tools is not None else {}
-        self.extra = {"DIST_LMCACHE_SRC": str(self.tree), "DIST_REQUIRE_VLLM_WHEEL": "1", **tools}
+        self.extra = {"DIST_LMCACHE_SRC": str(self.tree), "DIST_REQUIRE_VLLM_WHEEL": "1", **tools,
+                      RESTATED_ENV: str(self._restated_file())}
         self.envs = {name: testrun.run_env(name, self.out, {**self.extra, **env}) for name, env in envs.items()}
         by_name = {v.name: v for v in variants}
         return [f"test venv {self.out / 'venv'} ({_minutes(venv_s)}): torch CPU, LMCache {self.version}'s "
@@ -342,6 +382,14 @@ class LMCacheForward:
                 f"in {self.out / 'lmcache-pristine'}",
                 f"series: {wheels['patched'].name} (tree {by_name['patched'].tree_hash[:12]}), in the venv",
                 f"wheels built NO_GPU_EXT=1, cached by tree hash in {self.setup.wheels}; logs in {self.logs}"]
+
+    def _restated_file(self) -> Path:
+        """The release's restated reasons as tests/support/proof_reasons.py reads them."""
+        self.restated = restated(self.series_dir, [p.name for p in self.patches])
+        path = self.results / "restated.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({entry.node: entry.regex for entry in self.restated}, indent=1) + "\n")
+        return path
 
     # 4. proofs
 
@@ -420,7 +468,8 @@ class LMCacheForward:
             part = reasons[row.node].get("part")
             nodes.setdefault(leaveout.variant_name(row.patch, part), []).append(row.node)
         variants = self._variants({(name.partition(":")[0], name.partition(":")[2] or None) for name in nodes})
-        phase = testrun.LeaveOneOut(self.repo, self.out, self.python, ["tests"], [], self.extra, nodes, variants, [])
+        phase = testrun.LeaveOneOut(self.repo, self.out, self.python, ["tests"], ["-p", PROOF_PLUGIN], self.extra,
+                                    nodes, variants, [])
         print(f"\n=== proofs: {len(before)} that failed on pristine {self.version} before their stated reason, "
               f"on the series without their patch ({len(variants)} variants, logs {self.logs / 'leave-one-out'})",
               flush=True)
@@ -431,6 +480,17 @@ class LMCacheForward:
                  f"{_minutes(time.monotonic() - started)}): {len(total.xfailed)} failed for their stated reason, "
                  f"{len(total.failed)} did not"]
         return lines, phase.problems
+
+    def _restated_lines(self, rows: list[ProofRow]) -> tuple[list[str], list[str]]:
+        """The proofs whose stated reason this release restates, and a problem for one that did not run."""
+        lines, problems = [], []
+        for entry in self.restated:
+            lines += _wrapped(f"stated reason restated for {self.version}: ", entry.node.split("::", 1)[-1])
+            lines += [f"  fails with /{entry.regex}/", f"  why: {entry.why}"]
+            if not any(row.node == entry.node or row.node.startswith(entry.node + "[") for row in rows):
+                problems.append(f"{entry.node}: its reason is restated in {self.series_dir / RESTATED}, but no such "
+                                "proof ran on the pristine release")
+        return lines, problems
 
     def _not_applicable_checks(self, declared: list[NotApplicable]) -> tuple[list[str], list[str]]:
         """Each declared proof on the series without its patch, where it must pass: the release does itself
@@ -478,6 +538,9 @@ class LMCacheForward:
                  f"{len(pristine.failed)} did not, {len(pristine.skipped)} skipped; series: {_count(series)} "
                  f"(side by side, {_minutes(runs_s)})",
                  *proof_summary(rows, self.version)]
+        restated_lines, restated_problems = self._restated_lines(rows)
+        lines += restated_lines
+        problems += restated_problems
         for check in (lambda: self._reason_checks(rows, reasons), lambda: self._not_applicable_checks(declared)):
             more_lines, more_problems = check()
             lines += more_lines
