@@ -15,11 +15,12 @@ cache:
    builds the activation kernels for sm_103a, sm_100a and sm_90a with the flags it reads from
    the tree's own JIT code, and its ptxas report gives registers and spills per arch; a spill
    in a patched kernel fails the step;
-3-6. for LMCache: CPU wheels of the pristine release and of the series, the project's proofs on both,
-   LMCache's own CPU suite on both, and the real vLLM engine scenarios with the series' build
-   (forward_lmcache.py);
 5. the verdict: one screen, printed and written to ``<work>/forward/<upstream>-<version>/``
    with the logs it points to.
+
+For LMCache, steps 3 and 4 are instead its build, proofs, suite and engine steps (forward_lmcache.py):
+CPU wheels of the pristine release and of the series, the project's proofs on both, LMCache's own CPU
+suite on both, and the real vLLM engine scenarios with the series' build.
 
 The series a release is checked with is ``patches/<upstream>-<version>/`` when that folder exists (the
 series forwarded to that release), else ``patches/<upstream>/`` (series_dir).

