@@ -63,9 +63,9 @@ health: ## try the series against another release, e.g. make health UPSTREAM=lmc
 	@test -n "$(UPSTREAM)" || { echo "make health: set UPSTREAM=NAME==VERSION, e.g. lmcache==0.5.6" >&2; exit 2; }
 	$(DIST) health $(UPSTREAM)
 
-forward: ## check the series exactly on a newer release pinned in build/forward.toml, and FlashInfer's kernel there: make forward UPSTREAM=flashinfer==0.7.4 [OFFSETS=1] [BUNDLE=1] [TEST_PYTHON=..]
-	@test -n "$(UPSTREAM)" || { echo "make forward: set UPSTREAM=NAME==VERSION, e.g. flashinfer==0.7.4 (pinned in build/forward.toml)" >&2; exit 2; }
-	$(DIST) forward $(UPSTREAM) $(if $(filter 1,$(OFFSETS)),--allow-offsets) $(if $(filter 1,$(BUNDLE)),--bundle) $(if $(TEST_PYTHON),--test-python $(TEST_PYTHON))
+forward: ## check the series exactly on a newer release pinned in build/forward.toml, and FlashInfer's kernel or LMCache's proofs, CPU suite and engine scenarios there: make forward UPSTREAM=flashinfer==0.7.4 [OFFSETS=1] [BUNDLE=1] [TEST_PYTHON=..]; make forward UPSTREAM=lmcache==0.5.6 [PROOFS=0] [SUITE=0] [ENGINE=0]
+	@test -n "$(UPSTREAM)" || { echo "make forward: set UPSTREAM=NAME==VERSION, e.g. flashinfer==0.7.4 or lmcache==0.5.6 (pinned in build/forward.toml)" >&2; exit 2; }
+	$(DIST) forward $(UPSTREAM) $(if $(filter 1,$(OFFSETS)),--allow-offsets) $(if $(filter 1,$(BUNDLE)),--bundle) $(if $(TEST_PYTHON),--test-python $(TEST_PYTHON)) $(if $(filter 0,$(PROOFS)),--no-proofs) $(if $(filter 0,$(SUITE)),--no-suite) $(if $(filter 0,$(ENGINE)),--no-engine)
 
 probe-vllm: ## what the presets, the CPU overlay and LMCache's adapter meet on another vLLM: make probe-vllm VERSION=0.34.0 [WHEEL_ONLY=1] [NO_ENGINE=1]
 	@test -n "$(VERSION)" || { echo "make probe-vllm: set VERSION=<vLLM release>, e.g. VERSION=0.34.0" >&2; exit 2; }

@@ -174,6 +174,16 @@ def _write_proof_map(path: Path, proof_files: dict[str, set[str]]) -> None:
     os.replace(staging, path)
 
 
+def failure_text(excinfo: pytest.ExceptionInfo) -> str:
+    """A failure as a proof's ``fails_with`` is matched against: the exception's type and message."""
+    return f"{excinfo.typename}: {excinfo.value}"
+
+
+def fails_as_stated(expected: str, got: str) -> bool:
+    """Whether a failure (``failure_text``) is the one a proof states (``fails_with``)."""
+    return re.search(expected, got, re.DOTALL) is not None
+
+
 def _clip(text: str, head: int = 400, tail: int = 1200) -> str:
     """A long failure (a rank's traceback) keeps its start and its end, where the cause is."""
     return text if len(text) <= head + tail else f"{text[:head]} [...] {text[-tail:]}"
@@ -203,10 +213,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if call.excinfo is None:
         return report  # passed: strict xfail already turns that into a failure
     expected = marker.kwargs.get("fails_with")
-    got = f"{call.excinfo.typename}: {call.excinfo.value}"
+    got = failure_text(call.excinfo)
     if expected is None:
         problem = f"proof of {left_out} states no expected failure (fails_with=...); it failed with {_clip(got)}"
-    elif re.search(expected, got, re.DOTALL) is None:
+    elif not fails_as_stated(expected, got):
         problem = (f"proof of {left_out} failed without it for another reason: expected /{expected}/, "
                    f"got {_clip(got)}")
     else:

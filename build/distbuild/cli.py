@@ -107,6 +107,24 @@ def cmd_health(args: argparse.Namespace, layout: Layout) -> int:
     return 1 if args.strict and any(r.status == "conflicts" for r in report) else 0
 
 
+def _forward_lmcache_setup(args: argparse.Namespace, layout: Layout,
+                           pins: list[pins_step.Pin]):
+    """What make forward's LMCache steps take from the pins and the work folder, and which of them run."""
+    from .host import forward_lmcache, peerstore, testenv
+
+    def wheel(name: str) -> Path:
+        pin = next((p for p in pins if p.name == name and p.kind == "wheel"), None)
+        if pin is None:
+            raise DistBuildError(f"{layout.pins_file}: pins no {name} wheel; the LMCache steps need it")
+        return fetch(pin, layout.cache, _client)
+
+    return forward_lmcache.Setup(wheels=layout.wheels, vllm_wheel=lambda: wheel("vllm"),
+                                 nixl_wheel=lambda: wheel("nixl-cu13"),
+                                 deploy_tools=lambda logs: testenv.ensure_deploy_tools(layout.work / "tools", logs),
+                                 peer_store=peerstore.PeerStore(layout.peer_results),
+                                 proofs=not args.no_proofs, suite=not args.no_suite, engine=not args.no_engine)
+
+
 def cmd_forward(args: argparse.Namespace, layout: Layout) -> int:
     from .host import forward as forward_step
     from .toolchain import ensure_toolchain
@@ -122,10 +140,11 @@ def cmd_forward(args: argparse.Namespace, layout: Layout) -> int:
     ctx = forward_step.Context(
         repo=layout.repo, pins_file=layout.repo / "build" / "forward.toml", work=layout.work,
         fetch=lambda pin: fetch(pin, layout.cache, _client),
-        series=lambda upstream: load_series(layout.series_dir(upstream)),
+        series=load_series,
         toolchain=lambda: ensure_toolchain(pins, layout.cache, layout.work / "toolchain", _client),
         python=Path(args.test_python) if args.test_python else layout.work / "venv" / "bin" / "python",
-        allow_offsets=args.allow_offsets, bundle=bundle if args.bundle else None)
+        allow_offsets=args.allow_offsets, bundle=bundle if args.bundle else None,
+        lmcache=_forward_lmcache_setup(args, layout, pins))
     verdict, path = forward_step.run(ctx, args.spec)
     print(forward_step.format_verdict(verdict))
     print(f"wrote     {path}")
@@ -332,39 +351,11 @@ def cmd_toolchain(args: argparse.Namespace, layout: Layout) -> int:
 
 def _left_out_site_builder(layout: Layout, python: Path):
     """Builds the site folder of one leave-one-out variant (see leaveout.py)."""
-    from .host import leaveout, testenv
+    from .host import leaveout
 
-    tree = layout.tree("lmcache")
-    repo = Repo(tree)
     version = pins_step.upstream_pin(pins_step.load(layout.pins_file), "lmcache").version
-    venv = layout.work / "venv"
-    installed = next((venv / "lib").glob("python3*/site-packages/lmcache"), None)
-    stamp = venv / testenv.STAMP
-    if installed is None or not stamp.is_file():
-        raise DistBuildError(f"{venv}: the patched LMCache build is not installed")
-    installed_tree = stamp.read_text().strip()
-
-    def build(variant: leaveout.LeftOut) -> Path:
-        dest = layout.work / "leaveout" / variant.stem
-        changed = leaveout.changed_paths(repo, installed_tree, variant.tree_hash)
-        if all(path.endswith(".py") for path in changed):
-            return leaveout.overlay_site(repo, variant.tree_hash, installed_tree, installed, dest)
-        number = variant.patch.split("-", 1)[0] + (f".{variant.part.replace('-', '.')}" if variant.part else "")
-        same = leaveout.built_with_same_compiled_content(layout.wheels, repo, variant.tree_hash)
-        if same is not None:
-            # Only Python files differ from a wheel already built: install it, put the variant's over it.
-            compiled = dest.with_name(dest.name + ".compiled")
-            testenv.install(testenv.Variant(f"without-{number}", venv, tree, same.tree, version, compiled),
-                            python, layout.wheels, layout.work / "logs")
-            print(f"without-{number} reuses the build of tree {same.tree[:12]} (same compiled content)", flush=True)
-            return leaveout.python_site(repo, variant.tree_hash, same, compiled / leaveout.PACKAGE, dest)
-        built = testenv.Variant(f"without-{number}", venv, tree, variant.tree_hash,
-                                f"{version}+dist.without.{number}", dest)
-        testenv.install(built, python, layout.wheels, layout.work / "logs")
-        leaveout.record_compiled_content(layout.wheels, repo, variant.tree_hash)
-        return dest
-
-    return build
+    return leaveout.site_builder(layout.tree("lmcache"), layout.work / "venv", python, version, layout.wheels,
+                                 layout.work / "leaveout", layout.work / "logs")
 
 
 def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
@@ -515,7 +506,8 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_health)
 
     s = sub.add_parser("forward", help="check the series exactly on a newer release pinned in build/forward.toml, "
-                       "and FlashInfer's activation kernel there (compile, CPU tests)")
+                       "and FlashInfer's activation kernel there (compile, CPU tests), or LMCache's proofs, its own "
+                       "CPU suite and the engine scenarios there")
     s.add_argument("spec", help="NAME==VERSION, e.g. flashinfer==0.7.4 (the package or the upstream folder name)")
     s.add_argument("--allow-offsets", action="store_true",
                    help="go on when a hunk applies only at an offset (listed; the verdict is NOT EXACT, exit 1)")
@@ -524,6 +516,13 @@ def parser() -> argparse.ArgumentParser:
                         "(<work>/forward/<upstream>-<version>/activation-bundle)")
     s.add_argument("--test-python", help="Python with pytest and numpy for the kernel's CPU tests "
                    "(default: the test environment's, <work>/venv/bin/python)")
+    s.add_argument("--no-proofs", action="store_true",
+                   help="LMCache: skip the project's proofs on the pristine release and on the series (a partial run)")
+    s.add_argument("--no-suite", action="store_true",
+                   help="LMCache: skip LMCache's own CPU suite on the pristine release and on the series "
+                        "(a partial run)")
+    s.add_argument("--no-engine", action="store_true",
+                   help="LMCache: skip the engine venv and the real vLLM engine scenarios (a partial run)")
     s.set_defaults(func=cmd_forward)
 
     s = sub.add_parser("probe-vllm", help="what the presets, the CPU overlay and LMCache's adapter meet on another "

@@ -224,3 +224,69 @@ def test_part():
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result = run_parts(pytester, monkeypatch, f"without:{PART_PATCH}:no-such-part", "def test_x():\n    pass\n")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_the_reasons_plugin_records_how_each_proof_failed_on_pristine(pytester, monkeypatch, tmp_path):
+    import json
+
+    reasons = tmp_path / "reasons.json"
+    monkeypatch.setenv("DIST_LMCACHE_TREE", "pristine")
+    monkeypatch.setenv("DIST_PROOF_REASONS", str(reasons))
+    broken = "\nimport pytest\n@pytest.fixture\ndef broken():\n    raise OSError('port taken')\n"
+    pytester.makeconftest(CONFTEST + broken)
+    pytester.makepyfile(test_proof=f"""import pytest
+PATCH = {PATCH!r}
+@pytest.mark.fixes(PATCH, fails_with=r"2 pins left")
+def test_stated():
+    assert False, "2 pins left"
+
+@pytest.mark.fixes(PATCH, fails_with=r"2 pins left")
+def test_other():
+    import lmcache_module_that_does_not_exist
+
+@pytest.mark.fixes(PATCH, fails_with=r"x")
+def test_passes():
+    pass
+
+@pytest.mark.fixes(PATCH, fails_with=r"x")
+def test_setup(broken):
+    pass
+
+def test_plain():
+    pass
+""")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "tests.support.proof_reasons", "-q")
+    result.assert_outcomes(xfailed=3, failed=1, passed=1)   # strict xfail: the proof that passes fails the run
+    records = json.loads(reasons.read_text())
+    assert sorted(records) == [f"test_proof.py::test_{n}" for n in ("other", "passes", "setup", "stated")]
+    assert records["test_proof.py::test_stated"]["stated"] is True
+    other = records["test_proof.py::test_other"]
+    assert (other["outcome"], other["stated"]) == ("failed", False) and other["got"].startswith("ModuleNotFoundError")
+    assert records["test_proof.py::test_passes"]["outcome"] == "passed"
+    assert records["test_proof.py::test_setup"]["outcome"] == "setup failed"
+    assert records["test_proof.py::test_setup"]["got"] == "OSError: port taken"
+
+
+def test_a_restated_reason_replaces_the_proofs_own(pytester, monkeypatch, tmp_path):
+    import json
+
+    restated = tmp_path / "restated.json"
+    restated.write_text(json.dumps({"test_proof.py::test_case": "latent read as fused"}))
+    monkeypatch.setenv("DIST_PROOF_RESTATED", str(restated))
+    monkeypatch.setenv("DIST_LMCACHE_TREE", f"without:{PATCH}")
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_proof=f"""import pytest
+PATCH = {PATCH!r}
+@pytest.mark.fixes(PATCH, fails_with=r"indexer read as fused")
+@pytest.mark.parametrize("n", [1, 2])
+def test_case(n):
+    assert False, "latent read as fused"
+
+@pytest.mark.fixes(PATCH, fails_with=r"indexer read as fused")
+def test_other():
+    assert False, "latent read as fused"
+""")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "tests.support.proof_reasons", "-q")
+    result.assert_outcomes(xfailed=2, failed=1)   # both cases restated; the proof not declared keeps its reason
+    result.stdout.fnmatch_lines(["*failed without it for another reason: expected /indexer read as fused/*",
+                                "FAILED test_proof.py::test_other*"])

@@ -17,6 +17,13 @@ cache:
    in a patched kernel fails the step;
 5. the verdict: one screen, printed and written to ``<work>/forward/<upstream>-<version>/``
    with the logs it points to.
+
+For LMCache, steps 3 and 4 are instead its build, proofs, suite and engine steps (forward_lmcache.py):
+CPU wheels of the pristine release and of the series, the project's proofs on both, LMCache's own CPU
+suite on both, and the real vLLM engine scenarios with the series' build.
+
+The series a release is checked with is ``patches/<upstream>-<version>/`` when that folder exists (the
+series forwarded to that release), else ``patches/<upstream>/`` (series_dir).
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import forward_lmcache
 from ..errors import DistBuildError
 from ..gitrepo import PREPARED_REF, PRISTINE_REF, Repo
 from ..health import parse_spec
@@ -67,6 +75,13 @@ def forward_pin(pins_file: Path, spec: str) -> Pin:
     known = ", ".join(p.spec for p in pins) or "nothing"
     raise DistBuildError(f"{spec}: not pinned in {pins_file} (it pins {known}); add its sdist there with the "
                          "sha256 the package index lists for it")
+
+
+def series_dir(patches: Path, upstream: str, version: str) -> Path:
+    """The series a release is checked with: ``patches/<upstream>-<version>/`` when that folder exists (the
+    series forwarded to that release), else ``patches/<upstream>/`` (the pinned release's)."""
+    forwarded = patches / f"{upstream}-{version}"
+    return forwarded if forwarded.is_dir() else patches / upstream
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +347,7 @@ def result_lines(counts: Results, log: Path) -> list[str]:
 @dataclass
 class Step:
     name: str
-    status: str  # ok | offsets (apply, allowed) | FAILED | not run
+    status: str  # ok | offsets (apply, allowed) | FAILED | skipped (by a flag) | not run
     lines: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -349,19 +364,29 @@ class Verdict:
 
 
 def headline(verdict: Verdict) -> str:
-    failed = next((s for s in verdict.steps if s.status == "FAILED"), None)
-    if failed is not None:
-        return f"NOT GOOD: {failed.name} failed"
+    failed = [s.name for s in verdict.steps if s.status == "FAILED"]
+    if failed:
+        return f"NOT GOOD: {', '.join(failed)} failed"
     if any(s.status == "offsets" for s in verdict.steps):
         return "NOT EXACT: the series applies only at offsets; every step after it passed"
+    skipped = [s for s in verdict.steps if s.status == "skipped"]
+    if skipped:
+        return ("PARTIAL: every step that ran passed; skipped: "
+                + ", ".join(f"{s.name} ({' '.join(s.lines)})" for s in skipped))
     return "GOOD" if verdict.good else "NOT GOOD"
+
+
+def _timing(seconds: float) -> str:
+    """A step's time: seconds, and minutes too once it is long."""
+    return f", {seconds:.0f} s" + (f" ({seconds / 60:.1f} min)" if seconds >= 120 else "")
 
 
 def format_verdict(verdict: Verdict) -> str:
     head = headline(verdict)
-    lines = [f"make forward {verdict.spec}: {head}, {verdict.wall_s:.0f} s"]
+    lines = [f"make forward {verdict.spec}: {head}, {verdict.wall_s:.0f} s"
+             + (f" ({verdict.wall_s / 60:.1f} min)" if verdict.wall_s >= 120 else "")]
     for step in verdict.steps:
-        timing = f", {step.seconds:.0f} s" if step.status != "not run" else ""
+        timing = _timing(step.seconds) if step.status not in ("not run", "skipped") else ""
         lines.append(f"  {step.name:8} {step.status}{timing}")
         lines += [f"           {line}" for text in step.lines for line in text.splitlines()]
     return "\n".join(lines)
@@ -407,20 +432,24 @@ class Context:
     pins_file: Path  # build/forward.toml
     work: Path  # outputs go to work/forward/<upstream>-<version>/
     fetch: Callable[[Pin], Path]  # a pinned file, verified, from the download cache or the index
-    series: Callable[[str], list[Patch]]  # an upstream's series
+    series: Callable[[Path], list[Patch]]  # the series in a folder (series.load_series)
     toolchain: Callable[[], Path]  # the pinned nvcc's CUDA home
     python: Path  # the test environment's Python (pytest, numpy)
     allow_offsets: bool = False
     bundle: Callable[[Path, str, Path], list[str]] | None = None  # (tree, version, dest) -> lines
+    lmcache: forward_lmcache.Setup | None = None  # LMCache's steps 3-6; None: the run ends after apply
 
 
 class ForwardRun:
     def __init__(self, ctx: Context, pin: Pin) -> None:
         self.ctx, self.pin = ctx, pin
         self.out = ctx.work / "forward" / f"{pin.upstream}-{pin.version}"
+        self.series_dir = series_dir(ctx.repo / "patches", pin.upstream or "", pin.version)
         self.sdist: Path | None = None
         self.tree: Tree | None = None
         self.cuda: Path | None = None
+        self.lmcache = (forward_lmcache.LMCacheForward(ctx.repo, ctx.lmcache, self.out, pin.version)
+                        if pin.upstream == "lmcache" and ctx.lmcache is not None else None)
 
     def fetch(self) -> list[str]:
         self.sdist = self.ctx.fetch(self.pin)
@@ -428,10 +457,13 @@ class ForwardRun:
                 f"({self.ctx.pins_file.relative_to(self.ctx.repo)}), verified"]
 
     def apply(self) -> list[str]:
-        patches = self.ctx.series(self.pin.upstream or "")
+        patches = self.ctx.series(self.series_dir)
         self.tree = prepare_tree(self.sdist, self.pin, patches, self.out / "tree", self.ctx.allow_offsets)
+        if self.lmcache is not None:
+            self.lmcache.prepared(self.tree.path, self.series_dir, patches)
         exact = "no fuzz, no offsets" if not self.tree.offsets else "no fuzz; at offsets (allowed):"
-        return [f"{len(patches)} patch(es) applied with git am, {exact}",
+        series_file = (self.series_dir / "series").relative_to(self.ctx.repo)
+        return [f"{len(patches)} patch(es) applied with git am, {exact} ({series_file})",
                 *(o.describe() for o in self.tree.offsets),
                 f"tree {self.tree.path}: pristine {self.tree.pristine_tree[:12]}, "
                 f"patched {self.tree.patched_tree[:12]}"]
@@ -456,28 +488,52 @@ class ForwardRun:
     def bundle(self) -> list[str]:
         return self.ctx.bundle(self.tree.path, self.pin.version, self.out / "activation-bundle")
 
-    def steps(self) -> list[tuple[str, Callable[[], list[str]]]]:
-        steps = [("fetch", self.fetch), ("apply", self.apply)]
+    def steps(self) -> list[tuple[str, Callable[[], list[str]] | None]]:
+        """Every step in order; None for a step a flag turned off."""
+        steps: list[tuple[str, Callable[[], list[str]] | None]] = [("fetch", self.fetch), ("apply", self.apply)]
         if self.pin.upstream in CHECKED:
             steps += [("compile", self.compile), ("tests", self.tests)]
             if self.ctx.bundle is not None:
                 steps.append(("bundle", self.bundle))
+        if self.lmcache is not None:
+            steps += self.lmcache.steps()
         return steps
+
+    def skip_reason(self, name: str) -> str:
+        return self.ctx.lmcache.skipped().get(name, "off") if self.ctx.lmcache is not None else "off"
+
+
+def start_afresh(out: Path, kept: tuple[str, ...]) -> None:
+    """Remove an earlier run's outputs from ``out`` (tree, logs, bundle: the verdict speaks of this run only),
+    but the folders in ``kept`` (venvs, rebuilt only when what they are made from changed)."""
+    if not out.exists():
+        return
+    for entry in out.iterdir():
+        if entry.name in kept and entry.is_dir():
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def run(ctx: Context, spec: str) -> tuple[Verdict, Path]:
-    """Every step in order, stopping at the first that fails; the verdict and where it was written."""
+    """Every step in order, stopping at the first that fails (but for the independent checks, which all
+    run); the verdict and where it was written."""
     started = time.monotonic()
     pin = forward_pin(ctx.pins_file, spec)
     if pin.upstream in CHECKED and not ctx.python.is_file():
         raise DistBuildError(f"{ctx.python}: no such Python; the kernel checks need the test environment "
                              "(run make test once, or name a Python with pytest and numpy: TEST_PYTHON=...)")
     forward = ForwardRun(ctx, pin)
-    if forward.out.exists():
-        shutil.rmtree(forward.out)  # an earlier run's tree, logs and bundle: the verdict speaks of this run only
+    start_afresh(forward.out, forward_lmcache.KEPT if forward.lmcache is not None else ())
     verdict = Verdict(f"{pin.name}=={pin.version}")
     for name, action in forward.steps():
-        if not run_step(verdict, name, action):
+        if action is None:
+            verdict.steps.append(Step(name, "skipped", [forward.skip_reason(name)]))
+            continue
+        print(f"\n=== make forward {verdict.spec}: {name}", flush=True)
+        if not run_step(verdict, name, action) and name not in forward_lmcache.INDEPENDENT:
             break
         if name == "apply" and forward.tree is not None and forward.tree.offsets:
             verdict.steps[-1].status = "offsets"

@@ -55,7 +55,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+from . import testenv
 from ..errors import DistBuildError
 from ..gitrepo import PRISTINE_REF, Repo, git_env
 from .testenv import STAMP as TREE_STAMP
@@ -368,3 +370,37 @@ def overlay_site(repo: Repo, tree_hash: str, base_tree: str, installed: Path, de
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(repo.git("show", f"{tree_hash}:{path}").stdout)
     return _publish(staging, tree_hash, dest)
+
+
+def site_builder(tree: Path, venv: Path, python: Path, version: str, wheels: Path, sites: Path,
+                 logs: Path) -> Callable[[LeftOut], Path]:
+    """Builds the site folder of one variant of ``tree`` under ``sites``: the variant's Python files over
+    the build installed in ``venv`` when only Python files differ, else a wheel of its own (or one with
+    the same compiled content, its Python files put over it)."""
+    repo = Repo(tree)
+    installed = next((venv / "lib").glob(f"python3*/site-packages/{PACKAGE}"), None)
+    stamp = venv / TREE_STAMP
+    if installed is None or not stamp.is_file():
+        raise DistBuildError(f"{venv}: the patched LMCache build is not installed")
+    installed_tree = stamp.read_text().strip()
+
+    def build(variant: LeftOut) -> Path:
+        dest = sites / variant.stem
+        if all(path.endswith(".py") for path in changed_paths(repo, installed_tree, variant.tree_hash)):
+            return overlay_site(repo, variant.tree_hash, installed_tree, installed, dest)
+        number = variant.patch.split("-", 1)[0] + (f".{variant.part.replace('-', '.')}" if variant.part else "")
+        same = built_with_same_compiled_content(wheels, repo, variant.tree_hash)
+        if same is not None:
+            # Only Python files differ from a wheel already built: install it, put the variant's over it.
+            compiled = dest.with_name(dest.name + ".compiled")
+            testenv.install(testenv.Variant(f"without-{number}", venv, tree, same.tree, version, compiled),
+                            python, wheels, logs)
+            print(f"without-{number} reuses the build of tree {same.tree[:12]} (same compiled content)", flush=True)
+            return python_site(repo, variant.tree_hash, same, compiled / PACKAGE, dest)
+        built = testenv.Variant(f"without-{number}", venv, tree, variant.tree_hash,
+                                f"{version}+dist.without.{number}", dest)
+        testenv.install(built, python, wheels, logs)
+        record_compiled_content(wheels, repo, variant.tree_hash)
+        return dest
+
+    return build

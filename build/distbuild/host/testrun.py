@@ -217,7 +217,9 @@ def added_failed(peer: Outcome | None, added: list[str]) -> list[str]:
                   if any(node.split("::", 1)[0] == m or node.startswith(f"{m}.") for m in modules))
 
 
-def _env(tree: str, work: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+def run_env(tree: str, work: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a pytest run against one LMCache build (``DIST_LMCACHE_TREE=tree``), its temp
+    folders under ``work``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DIST_LMCACHE"))}
     env.update(extra or {})
     # DIST_ENGINE_TMPDIR: one temp dir for every phase's engines, so that Inductor's C++ header and
@@ -262,7 +264,24 @@ def _names(nodes: set[str], most: int = 10) -> str:
     return ": " + ", ".join(shown) + (f" and {len(nodes) - most} more" if len(nodes) > most else "")
 
 
-def _job_tmp(work: Path, name: str) -> str:
+def pristine_proof_problems(proofs: Outcome, label: str = "phase 2") -> list[str]:
+    """Phase 2's rule: pytest ran the proofs against the pristine build (exit 0, or 5: none selected), and
+    none of them passed there (each is a strict xfail)."""
+    if proofs.returncode in (0, 5):
+        return []
+    return [f"{label}: {len(proofs.failed)} proof(s) did not fail on the pristine tree (strict xfail)"
+            + _names(proofs.failed)]
+
+
+def patched_problems(outcome: Outcome, label: str = "phase 1") -> list[str]:
+    """Phase 1's rule: every test selected passes on the patched build (pytest exits 0)."""
+    if outcome.returncode == 0:
+        return []
+    return [f"{label}: {len(outcome.failed)} project test(s) failed on the patched tree (pytest exit "
+            f"{outcome.returncode})" + _names(outcome.failed)]
+
+
+def job_tmp(work: Path, name: str) -> str:
     """A TMPDIR per run side by side (socket paths, engine workdirs)."""
     tmp = work / "tmp" / name
     tmp.mkdir(parents=True, exist_ok=True)
@@ -306,7 +325,7 @@ def _leave_one_out_variants(repo: Path, tree: Path, series: list[str]) -> tuple[
 
 
 @dataclass
-class _LeaveOneOut:
+class LeaveOneOut:
     """Phase 3: its variants, what their proofs run with, and what they found."""
     repo: Path
     work: Path
@@ -318,9 +337,10 @@ class _LeaveOneOut:
     variants: list[leaveout.LeftOut]
     problems: list[str]
     total: Outcome = field(default_factory=Outcome)
+    folder: str = "leave-one-out"  # the variants' logs and JUnit XML, under work/logs and work/test-results
 
     def log(self, variant: leaveout.LeftOut) -> Path:
-        return self.work / "logs" / "leave-one-out" / f"{variant.stem}.log"
+        return self.work / "logs" / self.folder / f"{variant.stem}.log"
 
     def run_variants(self, pool: concurrent.futures.Executor,
                      build_site: Callable[[leaveout.LeftOut], Path]) -> None:
@@ -342,13 +362,13 @@ class _LeaveOneOut:
 
     def run_variant(self, number: int, variant: leaveout.LeftOut, site: Path) -> tuple[Outcome, float]:
         """The variant's proofs against its site: their outcome and how long they took."""
-        env = {**_env(f"without:{variant.name}", self.work, {**self.extra_env, "PYTHONPATH": str(site)}),
-               "TMPDIR": _job_tmp(self.work, f"leave-one-out-{number}")}
+        env = {**run_env(f"without:{variant.name}", self.work, {**self.extra_env, "PYTHONPATH": str(site)}),
+               "TMPDIR": job_tmp(self.work, f"leave-one-out-{number}")}
         files = self.proof_files.get(variant.name) or self.paths
         t0 = time.monotonic()
         junit = f"{variant.stem if variant.part else variant.patch}.xml"
         outcome = run_pytest(self.python, [*files, "-m", "fixes", *self.pytest_args], self.repo,
-                             self.work / "test-results" / "leave-one-out" / junit, env,
+                             self.work / "test-results" / self.folder / junit, env,
                              f"phase 3/4: without {variant.name}", log=self.log(variant))
         return outcome, time.monotonic() - t0
 
@@ -383,7 +403,7 @@ def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: 
     that hold its patch's proofs instead of every test."""
     started = time.monotonic()
     variants, problems = _leave_one_out_variants(repo, tree, series)
-    phase = _LeaveOneOut(repo, work, python, paths, pytest_args, extra_env, proof_files or {}, variants, problems)
+    phase = LeaveOneOut(repo, work, python, paths, pytest_args, extra_env, proof_files or {}, variants, problems)
     jobs = leave_one_out_jobs()
     print(f"\n=== phase 3/4: leave-one-out, {len(variants)} variants, {jobs} runs at a time "
           f"(logs: {work / 'logs' / 'leave-one-out'})", flush=True)
@@ -468,7 +488,7 @@ def _run_peer_job(python: Path, work: Path, tree: Path, job: PeerJob, services: 
     label = f"phase 4/4: LMCache's own CPU tests, {job.name} LMCache"
     if reused is None:
         outcome = run_pytest(python, job.args, tests_dir, job.junit,
-                             {**job.env, **services, "TMPDIR": _job_tmp(work, f"phase-4-{job.name}")}, label, job.log)
+                             {**job.env, **services, "TMPDIR": job_tmp(work, f"phase-4-{job.name}")}, label, job.log)
         return outcome, tests_dir, None
     job.log.parent.mkdir(parents=True, exist_ok=True)
     job.log.write_text(f"=== {label}: {reused.describe()} (key {job.key})\n")
@@ -519,7 +539,7 @@ def run_peer_suite(python: Path, work: Path, tree: Path, args: list[str],
         reruns = {}
         if 0 < len(regressed) <= PEER_RERUN_MOST:
             reruns = rerun_regressed(python, regressed, patched_dir, junit / "peer-rerun.xml",
-                                     {**patched_env, **services, "TMPDIR": _job_tmp(work, "phase-4-rerun")},
+                                     {**patched_env, **services, "TMPDIR": job_tmp(work, "phase-4-rerun")},
                                      logs / "phase-4-rerun.log")
     _keep_peer_results(store, pristine_job, pristine, patched_job, patched, added, reused)
     return PeerRun(pristine, patched, added, time.monotonic() - t0, reruns, reused)
@@ -602,13 +622,11 @@ class _Phases:
         t0 = time.monotonic()
         patched = run_pytest(self.python, [*self.paths, *self.pytest_args], self.repo, self.junit / "patched.xml",
                              {**self.patched_env, "DIST_PROOF_MAP": str(self.proof_map),
-                              "TMPDIR": _job_tmp(self.work, "phase-1")},
+                              "TMPDIR": job_tmp(self.work, "phase-1")},
                              "phase 1/4: project tests, patched LMCache")
         self.results["patched"] = patched
         self.seconds["1"] = time.monotonic() - t0
-        if patched.returncode != 0:
-            self.problems.append(f"phase 1: {len(patched.failed)} project test(s) failed on the patched tree"
-                                 + _names(patched.failed))
+        self.problems.extend(patched_problems(patched))
 
     def start_peer_suite(self, peer: bool) -> concurrent.futures.Future[PeerRun] | None:
         """Phase 4 in a thread of its own, beside phases 2 and 3: all of them mostly wait on servers and
@@ -637,7 +655,7 @@ class _Phases:
             print(f"\n=== phase 2/4: patch proofs, pristine LMCache (log: {self.phase2_log})", flush=True)
             phase2 = pool.submit(run_pytest, self.python, [*self.paths, "-m", "fixes", *self.pytest_args], self.repo,
                                  self.junit / "pristine.xml",
-                                 {**self.pristine_env, "TMPDIR": _job_tmp(self.work, "phase-2")},
+                                 {**self.pristine_env, "TMPDIR": job_tmp(self.work, "phase-2")},
                                  "phase 2/4: patch proofs, pristine LMCache", self.phase2_log)
             if leave_one_out is not None:
                 self.run_phase_3(pool, *leave_one_out)
@@ -667,9 +685,7 @@ class _Phases:
         print(f"\n=== phase 2/4 (ran beside phase 3): {len(proofs.xfailed)} proofs failed on pristine as they must, "
               f"{len(proofs.failed)} did not; {'its log' if failed_phase2 else 'the end of its log'}:\n"
               f"{_log_tail(self.phase2_log, 200 if failed_phase2 else 4)}", flush=True)
-        if failed_phase2:
-            self.problems.append(f"phase 2: {len(proofs.failed)} proof(s) did not fail on the pristine tree "
-                                 "(strict xfail)" + _names(proofs.failed))
+        self.problems.extend(pristine_proof_problems(proofs))
 
     def take_peer_run(self, run: PeerRun) -> None:
         """Phase 4's outcomes into the results, its problems judged."""
@@ -739,8 +755,8 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
         paths, pytest_args = without_engine(paths, pytest_args)
         problems.append(f"engine scenarios: skipped (--no-engine, {ENGINE_TESTS} ignored): a partial run")
     extra_env = extra_env or {}
-    patched_env = _env("patched", work, {**extra_env, **envs["patched"]})
-    pristine_env = _env("pristine", work, {**extra_env, **envs["pristine"]})
+    patched_env = run_env("patched", work, {**extra_env, **envs["patched"]})
+    pristine_env = run_env("pristine", work, {**extra_env, **envs["pristine"]})
     phases = _Phases(repo, work, python, tree, envs, extra_env, paths, [a for a in pytest_args if a != "--"],
                      patched_env, pristine_env, problems, peer_store=peer_store)
     started = time.monotonic()
