@@ -17,7 +17,8 @@
 #   build-env        toolchain + torch (CUDA 13) + the wheels' build needs
 #   lmcache-wheel    patched LMCache with its CUDA extension for sm_103a
 #   flashinfer-wheel patched FlashInfer + its modules compiled ahead of time for sm_103a (with the artifact set)
-#   runtime          the serving image
+#   router           the P/D router alone (vllm-router, tini): the chart's router.image
+#   runtime          the serving image (the last stage: a build without --target makes it)
 
 # A Debian bookworm rootfs with python3 (3.11) and python3-venv. `make image`
 # makes one with debootstrap and passes it by image id; on a builder with
@@ -285,6 +286,48 @@ RUN --mount=type=secret,id=build-ca pip install --no-cache-dir --no-deps --progr
          --cubins-in /build/cubins-in --out /out --status /out/flashinfer-aot.json \
     && rm -rf /build/cubins-in \
     && sha256sum ./*.whl > SHA256SUMS
+
+######################## router: the P/D router's own image ########################
+# vllm-router and its closure (build/lock/router.txt, every line image.txt's own file) under tini,
+# without CUDA, torch or vLLM: a router pod pulls this, not the serving image. The chart runs it
+# as uid 1000 with a read-only root and the command /usr/bin/tini -- python3 -m
+# vllm_router.launch_router, the same as in the serving image.
+FROM base AS router
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG SOURCE_DATE_EPOCH
+# tini alone of the runtime's section (build/lock/debian.txt [runtime]); vllm-router's Rust
+# extension links only libstdc++, libgcc and zlib besides libc, all in the base.
+RUN python3 /usr/local/lib/glm53/aptpin.py install --lock /opt/glm53/lock/debian.txt --stage runtime --only tini
+COPY build/lock/router.txt /opt/glm53/lock/router.txt
+# hadolint ignore=DL3042
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=build-ca \
+    python3 -m venv /opt/venv && find /opt/venv -name __pycache__ -prune -exec rm -rf {} + \
+    && with-build-ca /opt/venv/bin/pip install --require-hashes --no-deps --no-compile --progress-bar off \
+         -r /opt/glm53/lock/router.txt \
+    && /opt/venv/bin/pip check \
+    && PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 /opt/venv/bin/python -m compileall -q -f \
+         --invalidation-mode unchecked-hash /opt/venv/lib \
+    && useradd --no-create-home --uid 1000 --gid 0 --shell /usr/sbin/nologin router
+ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1
+ARG IMAGE_VERSION=dev
+ARG IMAGE_REVISION=unknown
+ARG IMAGE_CREATED=unknown
+ARG IMAGE_SOURCE=unknown
+ARG BASE_NAME=unknown
+ARG BASE_DIGEST=unknown
+LABEL org.opencontainers.image.title="glm53-b300-router" \
+      org.opencontainers.image.description="vllm-router for the GLM-5.3 cell's P/D proxy (build/lock/router.txt)" \
+      org.opencontainers.image.version="${IMAGE_VERSION}" \
+      org.opencontainers.image.revision="${IMAGE_REVISION}" \
+      org.opencontainers.image.created="${IMAGE_CREATED}" \
+      org.opencontainers.image.source="${IMAGE_SOURCE}" \
+      org.opencontainers.image.base.name="${BASE_NAME}" \
+      org.opencontainers.image.base.digest="${BASE_DIGEST}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+USER 1000:0
+EXPOSE 8000
+ENTRYPOINT ["/usr/bin/tini", "--", "python3", "-m", "vllm_router.launch_router"]
+CMD ["--help"]
 
 ######################## runtime: the serving image ########################
 FROM base AS runtime

@@ -13,6 +13,8 @@ help: ## list the targets
 	@echo "  variables: UPSTREAM=lmcache|flashinfer|vllm (export), UPSTREAM=NAME==VERSION (health, forward), FORCE=1, WORK=dir"
 
 IMAGE_TAG ?= localhost/glm53-b300-serving:dev
+# The P/D router's own image, built by make image beside the serving image with its version.
+ROUTER_TAG ?= localhost/glm53-b300-router:$(lastword $(subst :, ,$(IMAGE_TAG)))
 # RELEASE=1 (STRICT=1 is the same): fail unless the image carries FlashInfer's artifact set.
 RELEASE_FLAG := $(if $(filter 1 yes true,$(RELEASE) $(STRICT)),--release,)
 image: ## build the serving image, run its self-test and the sm_103 audit [ENGINE=docker|podman|buildah] [IMAGE_TAG=..] [BASE_IMAGE=..] [STAGE=..] [RELEASE=1: fail without FlashInfer's artifact set]
@@ -26,10 +28,10 @@ lock-debian: ## re-resolve build/lock/debian.txt (exact versions + .deb sha256 o
 
 image-check: ## run the built image: self-test, presets, deployment, the operator tools against real Valkey and a streaming server [IMAGE_TAG=..]
 	@test -x $(WORK)/venv/bin/python || { echo "make image-check: needs the test environment ($(WORK)/venv): run make test once" >&2; exit 2; }
-	DIST_RUNTIME_IMAGE=$(IMAGE_TAG) DIST_HELM=$(WORK)/tools/bin/helm $(WORK)/venv/bin/python -m pytest -p no:cacheprovider -v tests/image/test_runtime_image.py
+	DIST_RUNTIME_IMAGE=$(IMAGE_TAG) DIST_ROUTER_IMAGE=$(ROUTER_TAG) DIST_HELM=$(WORK)/tools/bin/helm $(WORK)/venv/bin/python -m pytest -p no:cacheprovider -v tests/image/test_runtime_image.py tests/image/test_router_image.py
 
-lock: ## resolve the image's Python dependency closure by sha256 into build/lock/*.txt
-	$(DIST) lock
+lock: ## resolve the image's Python dependency closure by sha256 into build/lock/*.txt [ROUTER_ONLY=1: router.txt alone, within image.txt]
+	$(DIST) lock $(if $(filter 1,$(ROUTER_ONLY)),--router-only)
 
 test: ## the CPU test suite: tool tests, patch proofs on pristine and patched LMCache, peer suite [TEST_ARGS=--no-engine ..]
 	$(DIST) test $(TEST_ARGS)

@@ -439,6 +439,10 @@ def cmd_lock(args: argparse.Namespace, layout: Layout) -> int:
     from .host import lock as lock_step
 
     index = args.index_url or IndexConfig.from_pip().index_urls[0]
+    if args.router_only:
+        path = lock_step.write_router_lock(pins_step.load(layout.pins_file), layout.repo / "build" / "lock", index)
+        print(f"wrote    {path.relative_to(layout.repo)}")
+        return 0
     tools = lock_step.requirement_lines(layout.repo / "scripts" / "requirements.txt")
     for path in lock_step.write_locks(pins_step.load(layout.pins_file), layout.repo / "build" / "lock", index, tools):
         print(f"wrote    {path.relative_to(layout.repo)}")
@@ -591,6 +595,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("lock", help="resolve the image's dependency closure into build/lock/*.txt (sha256 each)")
     s.add_argument("--index-url", help="index to resolve against (default: pip's configured primary index)")
+    s.add_argument("--router-only", action="store_true",
+                   help="rewrite build/lock/router.txt alone, within the committed image.txt")
     s.set_defaults(func=cmd_lock)
 
     s = sub.add_parser("flashinfer-artifacts", help="fetch FlashInfer's pinned trtllm-gen artifacts into the cache, "

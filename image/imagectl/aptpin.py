@@ -9,6 +9,7 @@ longer carry fails the install naming the package: re-lock (`make
 lock-debian`), which is how a security update enters the image.
 
     aptpin.py install --lock debian.txt --stage runtime    # in a Dockerfile RUN
+    aptpin.py install --lock debian.txt --stage runtime --only tini   # some of a section
     aptpin.py resolve --stage runtime gcc g++ ...          # `make lock-debian`: prints the section
     aptpin.py resolve --stage base --all                   # every installed package (the base)
 
@@ -136,11 +137,18 @@ def download(stage: str, specs: list[str]) -> None:
                                  "suites? re-lock with `make lock-debian`)" for version, name in gone)) from None
 
 
-def install(lock: Path, stage: str, exact: bool = False) -> int:
+def install(lock: Path, stage: str, exact: bool = False, only: tuple[str, ...] = ()) -> int:
+    """The [stage] section's packages, or only the named ones of it (``only``: a stage that needs a few
+    of another's, e.g. the router's tini): whatever apt adds beyond them fails the install."""
     sections = parse_lock(lock.read_text())
     if stage not in sections:
         raise PinError(f"{lock}: no [{stage}] section; run `make lock-debian`")
     _top, wanted = sections[stage]
+    if only:
+        unknown = [name for name in only if name not in wanted]
+        if unknown:
+            raise PinError(f"{lock}: [{stage}] locks no {', '.join(unknown)}")
+        wanted = {name: wanted[name] for name in only}
     before = installed()
     todo = {n: v for n, (v, _) in wanted.items() if before.get(n) != v}
     if todo:
@@ -209,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--lock", type=Path, required=True)
     s.add_argument("--stage", required=True)
     s.add_argument("--exact", action="store_true", help="the whole installed set must be the section (the base)")
+    s.add_argument("--only", nargs="+", default=(), metavar="PACKAGE",
+                   help="install only these packages of the section (their whole closure, or it fails)")
     s = sub.add_parser("resolve")
     s.add_argument("--stage", required=True)
     s.add_argument("--all", action="store_true", help="every installed package, after an upgrade (the base)")
@@ -216,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.cmd == "install":
-            return install(args.lock, args.stage, args.exact)
+            return install(args.lock, args.stage, args.exact, tuple(args.only))
         return resolve(args.stage, args.packages, args.all)
     except (PinError, OSError, subprocess.CalledProcessError) as exc:
         print(f"aptpin: {exc}", file=sys.stderr)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from imagectl import aptpin
 from .conftest import REPO
 
 LOCK = REPO / "build" / "lock" / "debian.txt"
+DOCKERFILE = REPO / "Dockerfile"
 
 
 def test_the_lock_has_every_stage_with_versions_and_deb_hashes() -> None:
@@ -45,6 +47,23 @@ def test_install_refuses_a_stage_the_lock_lacks(tmp_path: Path, capsys: pytest.C
     lock.write_text(aptpin.format_section("base", [], {"libc6": ("2.36-9", "c" * 64)}))
     assert aptpin.main(["install", "--lock", str(lock), "--stage", "runtime"]) == 1
     assert "no [runtime] section; run `make lock-debian`" in capsys.readouterr().err
+
+
+def test_install_only_refuses_a_package_the_section_does_not_lock(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    lock = tmp_path / "debian.txt"
+    lock.write_text(aptpin.format_section("runtime", ["tini"], {"tini": ("0.19.0-1+b3", "d" * 64)}))
+    assert aptpin.main(["install", "--lock", str(lock), "--stage", "runtime", "--only", "tini", "dumb-init"]) == 1
+    assert f"{lock}: [runtime] locks no dumb-init" in capsys.readouterr().err
+
+
+def test_the_routers_tini_is_one_package_the_runtime_section_locks() -> None:
+    """The router stage installs only tini of [runtime]: its closure there must be tini alone (its
+    one dependency, libc6, is the base's), or the stage's install fails on what apt adds."""
+    sections = aptpin.parse_lock(LOCK.read_text())
+    assert "tini" in sections["runtime"][1]
+    assert "libc6" in sections["base"][1]
+    assert re.search(r"aptpin\.py install --lock \S+ --stage runtime --only tini\b", DOCKERFILE.read_text())
 
 
 def test_the_base_is_labelled_with_its_lock_section_and_epoch() -> None:

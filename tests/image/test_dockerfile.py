@@ -36,6 +36,31 @@ def test_stages_are_the_build_tools_in_order() -> None:
     assert tuple(stages) == image.STAGES
 
 
+def test_the_runtime_is_the_last_stage_and_no_stage_but_the_routers_needs_the_router() -> None:
+    assert image.STAGES[-1] == "runtime"   # a build without --target makes the serving image
+    assert image.stages_until("router") == ["base", "router"]
+    assert "router" not in image.stages_until("runtime")
+    assert image.stages_until("sources") == ["base", "build-base", "toolchain", "sources"]
+
+
+def test_the_router_stage_is_the_base_with_tini_and_the_locked_router_only() -> None:
+    text = DOCKERFILE.read_text()
+    stage = text[text.index("FROM base AS router"):text.index("FROM base AS runtime")]
+    assert "COPY --from" not in stage   # it needs no other stage: make image STAGE=router builds two
+    assert "--require-hashes --no-deps" in stage and "-r /opt/glm53/lock/router.txt" in stage
+    assert 'ENTRYPOINT ["/usr/bin/tini", "--", "python3", "-m", "vllm_router.launch_router"]' in stage
+    assert "USER 1000:0" in stage
+
+
+@pytest.mark.parametrize(("serving", "router"), [
+    ("localhost/glm53-b300-serving:dev", "localhost/glm53-b300-router:dev"),
+    ("registry.example:5000/team/glm53-b300-serving:1.4.0", "localhost/glm53-b300-router:1.4.0"),
+    ("registry.example:5000/team/serving", "localhost/glm53-b300-router:dev"),
+])
+def test_the_router_image_carries_the_serving_images_version(serving: str, router: str) -> None:
+    assert image.router_tag(serving) == router
+
+
 def test_version_args_equal_the_pins() -> None:
     image.check_inputs(Layout.default(repo=REPO))   # raises on any disagreement
     declared = image.dockerfile_args(DOCKERFILE)

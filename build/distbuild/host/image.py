@@ -29,6 +29,7 @@ A report (stage times, image size, self-test output, audit summary) goes to
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -47,8 +48,10 @@ from ..paths import REPO_ROOT, Layout
 from ..pins import load as load_pins, normalize_name
 
 STAGES = ("base", "build-base", "toolchain", "sources", "libfabric", "build-env", "lmcache-wheel", "flashinfer-wheel",
-          "runtime")
+          "router", "runtime")
 STAGE_TAG = "localhost/glm53-stage:{stage}"
+# The P/D router's own image (the router stage), built after the runtime with the serving image's version.
+ROUTER_TAG = "localhost/glm53-b300-router:{version}"
 # SOURCE_DATE_EPOCH of the stages: the commit time of the last change to what they read. Only
 # these paths: a change to configs/ or the operator tools rebuilds the runtime's tail, not the
 # compile stages (a new epoch would). The runtime's labels carry HEAD's commit time.
@@ -83,9 +86,19 @@ class Options:
 
 
 def stages_until(target: str) -> list[str]:
+    """The stages ``target`` needs, in build order. The router stage needs only the base, and no other
+    stage needs it: a runtime build makes the router's image afterwards (``build_router``)."""
     if target not in STAGES:
         raise DistBuildError(f"--target {target}: not a stage of the Dockerfile ({', '.join(STAGES)})")
-    return list(STAGES[: STAGES.index(target) + 1])
+    if target == "router":
+        return ["base", "router"]
+    return [stage for stage in STAGES[: STAGES.index(target) + 1] if stage != "router"]
+
+
+def router_tag(serving_tag: str) -> str:
+    """The router image's tag for a serving image's: the same version (``dev`` when it has none)."""
+    name = serving_tag.rsplit("/", 1)[-1]
+    return ROUTER_TAG.format(version=name.rsplit(":", 1)[-1] if ":" in name else "dev")
 
 
 def dockerfile_args(dockerfile: Path) -> dict[str, str]:
@@ -295,11 +308,15 @@ def provenance(repo: Path) -> dict[str, str]:
 
 
 def _imagectl():
+    return _imagectl_module("labels")
+
+
+def _imagectl_module(name: str):
+    """A module of the image's own code (image/imagectl), which the build tool reads too."""
     scripts = str(REPO_ROOT / "image")
     if scripts not in sys.path:
         sys.path.insert(0, scripts)
-    from imagectl import labels
-    return labels
+    return importlib.import_module(f"imagectl.{name}")
 
 
 def run(layout: Layout, options: Options, log: Callable[[str], None] = print,
@@ -323,10 +340,12 @@ def run(layout: Layout, options: Options, log: Callable[[str], None] = print,
             **options.extra_args}
     log(f"image    SOURCE_DATE_EPOCH={epoch} (last commit touching the build inputs), base {base_name} {base_ref[:12]}")
     _build_stages(builder, stages, args, base_ref, base_name, staged, report)
-    final = options.tag if options.target == "runtime" else STAGE_TAG.format(stage=options.target)
+    final = {"runtime": options.tag, "router": router_tag(options.tag)}.get(options.target,
+                                                                           STAGE_TAG.format(stage=options.target))
     report["image"] = final
     if options.target == "runtime":
         _check_runtime_image(builder, final, report, started)
+        build_router(builder, args, base_ref, base_name, report)
     _write_report(builder.out, report, started)
     log(f"image    {final} ready in {time.monotonic() - started:.0f} s; report: {builder.out / 'report.json'}")
     return 0
@@ -353,6 +372,9 @@ def _build_stages(builder: Builder, stages: list[str], args: dict[str, str], bas
     manifest: dict | None = None
     aot: dict | None = None
     for stage in stages:
+        if stage == "router":
+            build_router(builder, args, base_ref, base_name, report)
+            continue
         if stage == "runtime":
             assert manifest is not None and aot is not None
             runtime_args = _runtime_args(builder, args, manifest, aot, base_ref, base_name)
@@ -365,6 +387,40 @@ def _build_stages(builder: Builder, stages: list[str], args: dict[str, str], bas
             manifest = _check_sources_stage(builder, tag, staged, report)
         if stage == "flashinfer-wheel":
             aot = _flashinfer_aot_status(builder, tag)
+
+
+def build_router(builder: Builder, args: dict[str, str], base_ref: str, base_name: str, report: dict) -> str:
+    """The router stage as the P/D router's own image, labelled as the serving image is, then checked:
+    its entrypoint's vllm-router takes the chart's flags as the image's user."""
+    tag = router_tag(builder.options.tag)
+    builder.build_stage("router", {**args, **provenance(builder.layout.repo), "BASE_NAME": base_name,
+                                   "BASE_DIGEST": baseimage.digest(builder.engine, base_ref) or "unknown",
+                                   "IMAGE_VERSION": tag.rsplit(":", 1)[-1]}, tag=tag)
+    report["router"] = check_router_image(builder, tag)
+    size = report["router"]["size_bytes"]
+    builder.log(f"router   {tag}: {size / 1e6:.0f} MB, digest {report['router']['digest']}" if size else
+                f"router   {tag}: digest {report['router']['digest']}")
+    return tag
+
+
+def check_router_image(builder: Builder, tag: str) -> dict:
+    """``python3 -m vllm_router.launch_router --help`` under the image's tini, as its user: every flag the
+    chart passes must be there (the serving image's self-test asks the same of its copy)."""
+    selftest = _imagectl_module("selftest")
+    help_run = builder.run(tag, ["--", "python3", "-m", "vllm_router.launch_router", "--help"],
+                           entrypoint="/usr/bin/tini")
+    if help_run.returncode != 0:
+        raise DistBuildError(f"{tag}: vllm_router.launch_router --help exited {help_run.returncode}: "
+                             f"{(help_run.stderr or help_run.stdout).strip()[-800:]}")
+    missing = [flag for flag in selftest.ROUTER_FLAGS if flag not in help_run.stdout]
+    if missing:
+        raise DistBuildError(f"{tag}: its vllm-router lacks {', '.join(missing)}, which the chart passes")
+    user = builder.run(tag, ["-u"], entrypoint="id").stdout.strip()
+    if user != "1000":
+        raise DistBuildError(f"{tag}: runs as uid {user or '?'}, the chart's router runs as 1000")
+    builder.log(f"router   {tag}: vllm-router takes the chart's {len(selftest.ROUTER_FLAGS)} flags, as uid 1000")
+    return {"tag": tag, "size_bytes": builder.size(tag), "digest": baseimage.digest(builder.engine, tag),
+            "image_id": baseimage.image_id(builder.engine, tag)}
 
 
 def _runtime_args(builder: Builder, args: dict[str, str], manifest: dict, aot: dict, base_ref: str,

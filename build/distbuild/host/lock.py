@@ -16,6 +16,11 @@ Linux (the image's platform), and writes:
 - ``build/lock/builder.txt``: torch and the build requirements of the two
   patched wheels (plus FlashInfer's import-time dependencies, for the
   ahead-of-time compile).
+- ``build/lock/router.txt``: the P/D router's own image, vllm-router and its
+  closure, resolved with the image closure as constraints: every line is
+  image.txt's (version, file and sha256), so the router's image runs the
+  router the serving image carries. ``--router-only`` (``make lock
+  ROUTER_ONLY=1``) rewrites it alone from the committed image.txt.
 
 Every wheel that ``pins.toml`` also pins must resolve to the pinned file and
 hash, or the lock is refused: the two lists never disagree.
@@ -33,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -75,6 +81,39 @@ class Locked:
 
     def line(self) -> str:
         return f"{self.name}=={self.version} \\\n    --hash=sha256:{self.sha256}  # {self.filename}"
+
+
+LOCK_ENTRY = re.compile(r"^(?P<name>[A-Za-z0-9._-]+)==(?P<version>\S+) \\\n\s+--hash=sha256:(?P<sha256>[0-9a-f]{64})"
+                        r"\s+# (?P<filename>\S+)$", re.MULTILINE)
+ROUTER = "vllm-router"
+
+
+def read_lock(path: Path) -> list[Locked]:
+    """The entries of a lock file this module wrote."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise DistBuildError(f"{path}: cannot read the lock: {exc}") from exc
+    entries = [Locked(m["name"], m["version"], m["filename"], m["sha256"]) for m in LOCK_ENTRY.finditer(text)]
+    if not entries:
+        raise DistBuildError(f"{path}: no locked requirement (name==version, --hash=sha256:..., # file)")
+    return entries
+
+
+def router_specs(pins: list[Pin]) -> list[str]:
+    found = [p.spec for p in pins if p.role == "image" and normalize_name(p.name) == ROUTER]
+    if not found:
+        raise DistBuildError(f"build/pins.toml: no image pin of {ROUTER}; the router's image installs it")
+    return found
+
+
+def check_within(part: list[Locked], whole: list[Locked], part_name: str, whole_name: str) -> None:
+    """Every entry of ``part`` is ``whole``'s, file and sha256 alike."""
+    by_name = {x.name: x for x in whole}
+    differ = [f"{x.name} {x.filename} ({whole_name}: {by_name[x.name].filename if x.name in by_name else 'absent'})"
+              for x in part if by_name.get(x.name) != x]
+    if differ:
+        raise DistBuildError(f"{part_name} is not within {whole_name}: " + "; ".join(differ))
 
 
 def _upstream_spec(pins: list[Pin], upstream: str) -> str:
@@ -215,13 +254,36 @@ def write_locks(pins: list[Pin], lock_dir: Path, index_url: str, tools: list[str
     builder = resolve(builder_specs(pins), index_url, constraints=shared)
     check_against_pins([x for x in builder if x.name == "torch"],
                        [p for p in pins if normalize_name(p.name) == "torch"])
+    router = resolve_router(pins, index_url, image)
     lock_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in (("image.txt", render(image, "Runtime closure of the serving image.", IMAGE_EXTRA,
                                             IMAGE_NOT_INSTALLED)),
                        ("builder.txt", render(builder, "Builder closure: torch and the patched wheels' build needs.",
-                                                ("flashinfer-python",)))):
+                                                ("flashinfer-python",))),
+                       ("router.txt", render_router(router))):
         path = lock_dir / name
         path.write_text(text)
         written.append(path)
     return written
+
+
+def resolve_router(pins: list[Pin], index_url: str, image: list[Locked]) -> list[Locked]:
+    """vllm-router's closure at the image closure's versions; it must be within it."""
+    router = resolve(router_specs(pins), index_url, constraints=image)
+    check_within(router, image, "the router closure", "the image closure")
+    return router
+
+
+def render_router(router: list[Locked]) -> str:
+    return render(router, "Closure of the P/D router's image (vllm-router), within image.txt.")
+
+
+def write_router_lock(pins: list[Pin], lock_dir: Path, index_url: str) -> Path:
+    """router.txt alone, the committed image.txt its constraints (``make lock ROUTER_ONLY=1``)."""
+    router = resolve_router(pins, index_url, read_lock(lock_dir / "image.txt"))
+    path = lock_dir / "router.txt"
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(render_router(router))
+    os.replace(partial, path)
+    return path

@@ -249,9 +249,11 @@ def run(layout, options, log: Callable[[str], None] = print) -> int:
 
     engine = engine_step.ensure_engine(options.engine, log)
     stages = image_step.stages_until(options.target)
-    refs = [image_step.STAGE_TAG.format(stage=s) for s in stages if s != "runtime"]
+    refs = [image_step.STAGE_TAG.format(stage=s) for s in stages if s not in ("runtime", "router")]
     if options.target == "runtime":
         refs.append(options.tag)
+    if options.target in ("runtime", "router"):
+        refs.append(image_step.router_tag(options.tag))
     refs.insert(0, baseimage.TAG)
     out = layout.work / "repro"
     builds = []
