@@ -47,7 +47,8 @@ and the measurements they come from: ``cellsim_defaults``):
   engine's load path and a frozen pod's wait are not GPU work.
 - **Stores**: after its step a request SETs, in the background, the chunks
   past what its lookup reported (LMCache saves from there): the chunks not in
-  L2, or after a timeout (0 reported) the whole prompt.
+  L2, or after a timeout (0 reported) the whole prompt. Their copy to CPU
+  inside the step is not modelled.
 - **Time to first token** is the end of the request's step: no decode,
   network, tokenizer or HTTP time, no lookup (EXISTS) cost, no L1 hits.
 """
