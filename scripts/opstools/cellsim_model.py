@@ -36,10 +36,10 @@ and the measurements they come from: ``cellsim_defaults``):
   (``async_load_path`` "prefetch": "a slow load delays only its own request,
   while the engine keeps running others"), or the pod's one background
   loader spends it, prefetch after prefetch, outside the step ("loader"), or
-  the step spends all of it ("step"). On a timeout the whole prompt is recomputed
-  while the prefetch keeps running (an *orphan*: its GETs still occupy the
-  instances), up to ``orphan_cap`` orphans per pod; the prefetch of a request
-  that times out beyond the cap is cancelled.
+  the step spends all of it ("step"). On a timeout the whole prompt is
+  recomputed while the prefetch keeps running (an *orphan*: its GETs still
+  occupy the instances), up to ``orphan_cap`` orphans per pod; the prefetch
+  of a request that times out beyond the cap is cancelled.
 - **GPU work** of a step is its uncached tokens at ``prefill_tokens_per_s``,
   ``gpu_load_s_per_chunk`` for each chunk any of its requests loaded (the
   sharded load is "one broadcast per chunk from its owner", a collective on
