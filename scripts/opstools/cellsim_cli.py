@@ -108,10 +108,14 @@ def _add_engine_options(cell: argparse._ArgumentGroup) -> None:
     cell.add_argument("--engine-load-ms", type=non_negative_float, default=defaults.ENGINE_LOAD_S_PER_CHUNK * 1000,
                       metavar="MS", help="the engine's own time per loaded chunk (write-up: the 8-shard median "
                                          "hit ~0.1 s over recompute)")
+    cell.add_argument("--step-copy-ms", type=non_negative_float, default=defaults.STEP_COPY_S_PER_CHUNK * 1000,
+                      metavar="MS", help="of the engine's time per loaded chunk, the copy into GPU memory that only "
+                                         "the step can do, async loading too (write-up: rank 0's 19.1 GB of in-step "
+                                         "copies kept the other ranks waiting 1.55 s)")
     cell.add_argument("--async-load-path", choices=LOAD_PATHS, default=defaults.ASYNC_LOAD_PATH,
-                      help="async loading: where the engine's time per loaded chunk is spent, in the step (holding "
-                           "the pod), in the request's background prefetch, or in the pod's one background loader "
-                           "(prefetches in turn, outside the step)")
+                      help="async loading: where the rest of the engine's time per loaded chunk is spent, in the "
+                           "request's background prefetch (default), in the pod's one background loader "
+                           "(prefetches in turn, outside the step), or in the step (holding the pod)")
     cell.add_argument("--gpu-load-ms", type=non_negative_float, default=defaults.GPU_LOAD_S_PER_CHUNK * 1000,
                       metavar="MS", help="GPU work per loaded chunk, inside the step (the per-chunk broadcast; "
                                          "write-up: GPUs 7%% busy in the sync runaway)")
@@ -199,6 +203,7 @@ def cell_config(args: argparse.Namespace, pods: int, shards: int):
     config = CellConfig(
         pods=pods, ranks=args.ranks, shards=shards, store=args.store, loading=args.loading, get_s=get_s(args),
         get_contention=args.get_contention, engine_load_s_per_chunk=args.engine_load_ms / 1000,
+        step_copy_s_per_chunk=args.step_copy_ms / 1000,
         gpu_step_s=args.gpu_step_ms / 1000, gpu_load_s_per_chunk=args.gpu_load_ms / 1000,
         async_load_path=args.async_load_path, step_tokens=args.step_tokens, step_requests=args.step_requests,
         chunk_tokens=args.chunk_tokens, prefill_tokens_per_s=args.recompute_tokens / args.recompute_s,
@@ -246,7 +251,8 @@ def describe(config, args: argparse.Namespace) -> str:
     return (f"cell: {config.pods} pod(s) x {config.ranks} ranks, {config.shards} shard(s){lost}, {config.store} "
             f"store, {config.loading} loading, {config.get_s * 1000:.2f} ms per GET (+{config.get_contention:.1%} "
             f"per further client), engine {config.engine_load_s_per_chunk * 1000:.2f} ms per loaded chunk "
-            f"(async: in the {config.async_load_path}), GPU {config.gpu_load_s_per_chunk * 1000:.2f} ms per loaded "
+            f"(async: {config.in_step_s_per_chunk() * 1000:.2f} ms in the step, the rest in the "
+            f"{config.async_load_path}), GPU {config.gpu_load_s_per_chunk * 1000:.2f} ms per loaded "
             f"chunk and {config.gpu_step_s * 1000:.0f} ms per step, recompute "
             f"{args.recompute_tokens / config.prefill_tokens_per_s:.3f} s per {args.recompute_tokens} tokens")
 

@@ -24,6 +24,7 @@ class CellConfig:
     get_s: float = defaults.DEFAULT_GET_S  # one GET, one client in flight at the instance
     get_contention: float = defaults.GET_CONTENTION  # extra share of get_s per further client in flight
     engine_load_s_per_chunk: float = defaults.ENGINE_LOAD_S_PER_CHUNK
+    step_copy_s_per_chunk: float = defaults.STEP_COPY_S_PER_CHUNK  # of the engine's time, what only the step can do
     gpu_step_s: float = defaults.GPU_STEP_S
     gpu_load_s_per_chunk: float = defaults.GPU_LOAD_S_PER_CHUNK
     async_load_path: str = defaults.ASYNC_LOAD_PATH
@@ -49,7 +50,8 @@ class CellConfig:
         for name in ("get_s", "prefill_tokens_per_s", "async_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("get_contention", "engine_load_s_per_chunk", "gpu_step_s", "gpu_load_s_per_chunk"):
+        for name in ("get_contention", "engine_load_s_per_chunk", "step_copy_s_per_chunk", "gpu_step_s",
+                     "gpu_load_s_per_chunk"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.orphan_cap is not None and self.orphan_cap < 0:
@@ -86,6 +88,17 @@ class CellConfig:
         for _, shard, gets in self.streams(first_chunk, chunks):
             counts[shard] += gets
         return counts
+
+    def in_step_s_per_chunk(self) -> float:
+        """Async loading: the engine's time per loaded chunk that its step spends (the copy into GPU memory, at
+        most the whole engine time; all of it with ``async_load_path`` "step")."""
+        if self.async_load_path == "step":
+            return self.engine_load_s_per_chunk
+        return min(self.step_copy_s_per_chunk, self.engine_load_s_per_chunk)
+
+    def off_step_s_per_chunk(self) -> float:
+        """Async loading: the rest of the engine's time per loaded chunk, spent by the prefetch or the loader."""
+        return self.engine_load_s_per_chunk - self.in_step_s_per_chunk()
 
     def compute_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s

@@ -24,14 +24,29 @@ measurement; they build on each other in this order.
   per-chunk broadcast and load path". Of those 0.41 s the GETs take 71 ms
   (8 x 8.9 ms per shard), the broadcasts' GPU work 63 x 1.05 ms and the
   256 uncomputed tokens 4.8 ms; the rest, over the 63 chunks loaded, is the
-  engine's time per chunk (the exchange, Python, the copies to CPU buffers).
-- ``ASYNC_LOAD_PATH`` "step": with async loading that engine time is spent in
-  the step, holding the pod (with "prefetch" it is spent in the request's
-  background prefetch: "a slow load delays only its own request, while the
-  engine keeps running others"; with "loader" the pod's one background
-  loader spends it, the prefetches in turn, outside the step). The write-up
-  does not say which part of the load path runs where; "step" is the
-  pessimistic end.
+  engine's time per chunk (the exchange, Python, the copies to CPU buffers
+  and into GPU memory).
+- ``STEP_COPY_S_PER_CHUNK`` 1.0 ms: of that engine time, the part that moves
+  a loaded chunk into GPU memory: its owner's copy from CPU before the
+  chunk's broadcast, the other ranks waiting for it at the broadcast. Only a
+  step can do it (the GPU blocks it fills are the ones the scheduler gave the
+  request for that step), so async loading spends it in the step too. The
+  write-up measured such an in-step copy, the other way, in its first
+  bottleneck: rank 0 "wrote 19.1 GB of KV to CPU" while "Ranks 1-7
+  accumulated about 1.55 s each of AllGather wait", 12.3 GB/s: 1.55 s x
+  12.4 MB / 19.1 GB per chunk.
+- ``ASYNC_LOAD_PATH`` "prefetch": with async loading the rest of the engine
+  time (3.2 ms per chunk: Python, the copies to CPU buffers) is spent by the
+  request's own background prefetch, as the write-up's setup runs it: "Each
+  rank prefetches in the background" through a native client with
+  ``resp_num_threads`` 32, and "a slow load delays only its own request,
+  while the engine keeps running others"; the step holds the pod only for
+  the copies and the GPU work, which is how the write-up reads its eight
+  shards (rho ~ 0.09, "async loading has no backlog to absorb"). With
+  "loader" the pod's one background loader spends it, the prefetches in
+  turn, outside the step; with "step" the step spends all of it, holding the
+  pod (the pessimistic end). Synchronous loading spends all of it in the
+  step.
 - ``GET_CONTENTION`` 0.5%: one instance loaded a 16k prompt (64 chunks, all
   eight ranks reading it) in 0.83-0.89 s. At the midpoint 0.86 s that is
   13.4 ms per chunk; less the engine's 4.2 ms, 9.2 ms per GET with eight
@@ -62,7 +77,7 @@ _SYNC_RUN_GPU_S_PER_REQUEST = 0.07 * (374.0 + 83.7) / 450
 _UNCACHED_S = (RECOMPUTE_TOKENS - HIT_CHUNKS * CHUNK_TOKENS) / PREFILL_TOKENS_PER_S
 GPU_LOAD_S_PER_CHUNK = (_SYNC_RUN_GPU_S_PER_REQUEST - _UNCACHED_S) / HIT_CHUNKS
 GPU_STEP_S = 0.0
-ASYNC_LOAD_PATH = "step"
+ASYNC_LOAD_PATH = "prefetch"
 
 # eight shards: the median 16k hit ~0.1 s over recompute; what the GETs and the step do not take is the engine's
 _HIT_GETS_S = 8 * GET_MS / 1000
@@ -85,6 +100,11 @@ def writeup_contention(load_s: float) -> float:
 
 
 GET_CONTENTION = writeup_contention(INSTANCE_LOAD_S[1])
+
+# the first bottleneck's capture: rank 0 copied 19.1 GB of KV to CPU inside the steps, the others waited 1.55 s for it
+_STEP_COPY_BYTES = 19.1e9
+_STEP_COPY_S = 1.55
+STEP_COPY_S_PER_CHUNK = _STEP_COPY_S * WRITEUP_CHUNK_BYTES / _STEP_COPY_BYTES
 
 STEP_TOKENS = 131_072
 STEP_REQUESTS = 1_024

@@ -29,15 +29,17 @@ and the measurements they come from: ``cellsim_defaults``):
   ``engine_load_s_per_chunk`` per loaded chunk (the exchange, the per-chunk
   broadcast and the copies). **Asynchronous** loading starts a prefetch on
   arrival and makes the request ready when it completes, or after
-  ``async_timeout_s``, whichever is first; the step then spends the engine
-  time on the prefetched chunks (``async_load_path`` "step"), or the prefetch
-  spends it before the request is ready ("prefetch": "a slow load delays only
-  its own request, while the engine keeps running others"), or the pod's one
-  background loader spends it, prefetch after prefetch, outside the step
-  ("loader"). On a timeout the whole prompt is recomputed
-  while the prefetch keeps running (an *orphan*: its GETs still occupy the
-  instances), up to ``orphan_cap`` orphans per pod; the prefetch of a request
-  that times out beyond the cap is cancelled.
+  ``async_timeout_s``, whichever is first. The step then spends
+  ``step_copy_s_per_chunk`` of the engine time on each prefetched chunk (the
+  owner's copy into GPU memory before the chunk's broadcast, which only the
+  step can do); the rest the prefetch spends before the request is ready
+  (``async_load_path`` "prefetch": "a slow load delays only its own request,
+  while the engine keeps running others"), or the pod's one background
+  loader spends it, prefetch after prefetch, outside the step ("loader"), or
+  the step spends all of it ("step"). On a timeout the whole prompt is
+  recomputed while the prefetch keeps running (an *orphan*: its GETs still
+  occupy the instances), up to ``orphan_cap`` orphans per pod; the prefetch
+  of a request that times out beyond the cap is cancelled.
 - **GPU work** of a step is its uncached tokens at ``prefill_tokens_per_s``,
   ``gpu_load_s_per_chunk`` for each chunk any of its requests loaded (the
   sharded load is "one broadcast per chunk from its owner", a collective on
@@ -45,7 +47,8 @@ and the measurements they come from: ``cellsim_defaults``):
   engine's load path and a frozen pod's wait are not GPU work.
 - **Stores**: after its step a request SETs, in the background, the chunks
   past what its lookup reported (LMCache saves from there): the chunks not in
-  L2, or after a timeout (0 reported) the whole prompt.
+  L2, or after a timeout (0 reported) the whole prompt. Their copy to CPU
+  inside the step is not modelled.
 - **Time to first token** is the end of the request's step: no decode,
   network, tokenizer or HTTP time, no lookup (EXISTS) cost, no L1 hits.
 """
@@ -224,7 +227,7 @@ class _Cell:
                 yield self.queues[pod].arrival()
             batch: list[_Ready] = self.take_batch(pod, lambda r: r.tokens)
             loaded = sum(r.loaded_chunks for r in batch)
-            engine_s = loaded * self.config.engine_load_s_per_chunk if self.config.async_load_path == "step" else 0.0
+            engine_s = loaded * self.config.in_step_s_per_chunk()
             if engine_s > 0:
                 yield self.env.timeout(engine_s)
             yield from self.gpu_work(pod, sum(r.tokens for r in batch), loaded)
@@ -259,15 +262,15 @@ class _Cell:
         self.orphans[outcome.pod] -= 1
 
     def prefetch(self, outcome: Outcome, streams: list[Stream], chunks: int):
-        """The prefetch: its GETs, then the engine's load path of its chunks on its own (``async_load_path``
-        "prefetch") or in its turn at the pod's loader ("loader")."""
+        """The prefetch: its GETs, then the engine's load path of its chunks that the step does not spend, on its
+        own (``async_load_path`` "prefetch") or in its turn at the pod's loader ("loader")."""
         start = self.env.now
         yield self.env.all_of([s.done for s in streams])
         gets_s = self.env.now - start
         if gets_s <= self.config.async_timeout_s:
             outcome.gets_s = gets_s
-        engine_s = chunks * self.config.engine_load_s_per_chunk
-        if engine_s <= 0 or self.config.async_load_path == "step":
+        engine_s = chunks * self.config.off_step_s_per_chunk()
+        if engine_s <= 0:
             return
         if self.config.async_load_path == "prefetch":
             yield self.env.timeout(engine_s)

@@ -106,11 +106,12 @@ def test_the_gpu_works_per_loaded_chunk_of_every_request_in_a_step():
 
 
 def test_async_loading_spends_the_engine_path_in_the_step_or_in_the_prefetch():
-    # a hit prefetched in 8 x 0.01 s, then 63 x 4 ms of engine path: held in the step, the second request (sent when
-    # the first is ready) waits for it; spent in the prefetch, the pod is free and both take the same time
+    # a hit prefetched in 8 x 0.01 s, then 63 x 4 ms of engine path (none of it a copy only the step can do): held in
+    # the step, the second request (sent when the first is ready) waits for it; spent in the prefetch, the pod is free
+    # and both take the same time
     arrivals = [Arrival(0.0, PROMPT, PROMPT - 256), Arrival(0.08, PROMPT, PROMPT - 256)]
     common = dict(shards=8, loading="async", get_s=0.01, prefill_tokens_per_s=PROMPT / 0.31, store_new_chunks=False,
-                  **{**BARE, "engine_load_s_per_chunk": 0.004})
+                  **{**BARE, "engine_load_s_per_chunk": 0.004, "step_copy_s_per_chunk": 0.0})
     held = simulate(CellConfig(async_load_path="step", **common), arrivals).outcomes
     free = simulate(CellConfig(async_load_path="prefetch", **common), arrivals).outcomes
     alone = 0.08 + 63 * 0.004 + 0.31 / 64
@@ -125,12 +126,36 @@ def test_the_pods_loader_runs_the_prefetches_engine_path_in_turn_outside_the_ste
     # two hits sent together: their GETs queue per rank (0.08 s, 0.16 s), then the pod's one loader spends 63 x 4 ms
     # on each in turn; the steps (256 tokens each) do not wait for it
     common = dict(shards=8, loading="async", get_s=0.01, prefill_tokens_per_s=PROMPT / 0.31, store_new_chunks=False,
-                  **{**BARE, "engine_load_s_per_chunk": 0.004})
+                  **{**BARE, "engine_load_s_per_chunk": 0.004, "step_copy_s_per_chunk": 0.0})
     outcomes = simulate(CellConfig(async_load_path="loader", **common),
                         [Arrival(0.0, PROMPT, PROMPT - 256), Arrival(0.0, PROMPT, PROMPT - 256)]).outcomes
     assert [o.ttft_s for o in outcomes] == [pytest.approx(0.08 + 63 * 0.004 + 0.31 / 64),
                                             pytest.approx(0.08 + 2 * 63 * 0.004 + 0.31 / 64)]
     assert [o.gets_s for o in outcomes] == [pytest.approx(0.08), pytest.approx(0.16)]
+
+
+def test_the_step_copies_the_prefetched_chunks_into_gpu_memory_however_the_rest_is_spent():
+    # 63 x 4 ms of engine path, 1 ms of it each chunk's copy into GPU memory: the step holds the pod for the copies
+    # (63 ms), the prefetch spends the other 63 x 3 ms on its own; alone, a hit takes as long as with it all in one
+    # place. Two hits sent together: the second's copies wait for the first's step, its prefetch does not
+    common = dict(shards=8, loading="async", get_s=0.01, prefill_tokens_per_s=PROMPT / 0.31, store_new_chunks=False,
+                  **{**BARE, "engine_load_s_per_chunk": 0.004, "step_copy_s_per_chunk": 0.001})
+    config = CellConfig(async_load_path="prefetch", **common)
+    assert config.in_step_s_per_chunk() == 0.001 and config.off_step_s_per_chunk() == pytest.approx(0.003)
+    assert CellConfig(async_load_path="step", **common).in_step_s_per_chunk() == 0.004
+    assert CellConfig(**{**common, "step_copy_s_per_chunk": 0.01}).in_step_s_per_chunk() == 0.004  # at most all
+    one = simulate(config, [Arrival(0.0, PROMPT, PROMPT - 256)])
+    assert one.outcomes[0].ttft_s == pytest.approx(0.08 + 63 * 0.004 + 0.31 / 64)
+    assert [b - a for a, b in one.gpu_busy[0]] == [pytest.approx(0.31 / 64)]  # a copy is not GPU work
+    two = simulate(config, [Arrival(0.0, PROMPT, PROMPT - 256), Arrival(0.0, PROMPT, PROMPT - 256)]).outcomes
+    # GETs per rank in turn (0.08 s, 0.16 s), 0.189 s of prefetch each; the first step ends at 0.337 s
+    first = 0.08 + 63 * 0.003 + 63 * 0.001 + 0.31 / 64
+    assert [o.ttft_s for o in two] == [pytest.approx(first), pytest.approx(0.16 + 63 * 0.003 + 63 * 0.001 + 0.31 / 64)]
+    # a 32-chunk hit sent at 0.15 s is ready at 0.15 + 0.04 + 32 x 3 ms = 0.286 s, inside the first's step
+    # (0.269-0.337 s): its own step, 32 copies and 256 tokens, waits for that one to end
+    held = simulate(config, [Arrival(0.0, PROMPT, PROMPT - 256), Arrival(0.15, 33 * 256, 32 * 256)]).outcomes
+    assert held[1].load_s == pytest.approx(0.04 + 32 * 0.003)
+    assert held[1].first_token_s == pytest.approx(first + 32 * 0.001 + 0.31 / 64)
 
 
 def test_a_step_batches_the_waiting_requests_within_its_budgets():

@@ -59,7 +59,10 @@ def test_the_defaults_follow_from_the_measurements():
     assert defaults.GET_MS == 8.9  # H5b
     # 7% GPU busy: each request's 63 loaded chunks and its 256 computed tokens
     assert 63 * defaults.GPU_LOAD_S_PER_CHUNK == pytest.approx(0.07 * 457.7 / 450 - 256 * 0.31 / 16384)
-    assert defaults.GPU_STEP_S == 0.0 and defaults.ASYNC_LOAD_PATH == "step"
+    assert defaults.GPU_STEP_S == 0.0 and defaults.ASYNC_LOAD_PATH == "prefetch"
+    # the first bottleneck: the other ranks waited 1.55 s while rank 0 copied 19.1 GB of KV inside the steps
+    assert defaults.STEP_COPY_S_PER_CHUNK == pytest.approx(1.55 * 12.4e6 / 19.1e9)
+    assert defaults.STEP_COPY_S_PER_CHUNK < defaults.ENGINE_LOAD_S_PER_CHUNK  # a part of the engine's time per chunk
     # the median 8-shard hit at recompute + 0.1 s: GETs, 63 chunks of engine time and GPU work, 256 tokens
     hit = (8 * 8.9e-3 + 63 * (defaults.GPU_LOAD_S_PER_CHUNK + defaults.ENGINE_LOAD_S_PER_CHUNK)
            + 256 * 0.31 / 16384)
