@@ -358,8 +358,31 @@ def _left_out_site_builder(layout: Layout, python: Path):
                                  layout.work / "leaveout", layout.work / "logs")
 
 
+def _forward_picks_setup(layout: Layout, python: Path):
+    """What phase 2b takes: make test's venv, the wheel cache and the download cache."""
+    from .host import forward_picks
+
+    return forward_picks.Setup(repo=layout.repo, work=layout.work, python=python, wheels=layout.wheels,
+                               fetch=lambda pin: fetch(pin, layout.cache, _client))
+
+
+def cmd_test_forward(args: argparse.Namespace, layout: Layout) -> int:
+    from .host import forward_picks
+
+    python = layout.work / "venv" / "bin" / "python"
+    if not python.is_file():
+        raise DistBuildError(f"{python}: no such Python; phase 2b runs in make test's venv (run make test once)")
+    run = forward_picks.run_phase(_forward_picks_setup(layout, python), {"DIST_REQUIRE_VLLM_WHEEL": "1"})
+    for line in [*run.details, *run.summary]:
+        print(f"  {line}")
+    for problem in run.problems:
+        print(f"FAILED {problem}")
+    print(f"test-forward: {run.passed} passed, {run.failed} failed in {run.seconds / 60:.1f} min")
+    return 1 if run.problems else 0
+
+
 def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
-    from .host import peerstore, stress, testrun
+    from .host import forward_picks, peerstore, stress, testrun
 
     from .toolchain import ensure_toolchain
 
@@ -367,13 +390,15 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
     cuda = ensure_toolchain(pins_step.load(layout.pins_file), layout.cache, layout.work / "toolchain", _client)
     series = [patch.name for patch in load_series(layout.series_dir("lmcache"))]
     leave_one_out = None if args.no_leave_one_out else (series, _left_out_site_builder(layout, python))
+    setup = _forward_picks_setup(layout, python)
+    forward = None if args.no_forward else (lambda extra_env: forward_picks.run_phase(setup, extra_env))
     baseline = stress.keep_idle_baseline(layout.work) if args.hog else None
     with stress.busy_loops(args.hog):
         returncode = testrun.run_all(layout.repo, layout.work, python, envs, layout.tree("lmcache"), args.pytest_args,
                                      extra_env={"DIST_CUDA_HOME": str(cuda), "DIST_REQUIRE_VLLM_WHEEL": "1"},
                                      paths=args.paths, peer=not args.no_peer, leave_one_out=leave_one_out,
                                      engine=not args.no_engine,
-                                     peer_store=peerstore.PeerStore(layout.peer_results))
+                                     peer_store=peerstore.PeerStore(layout.peer_results), forward=forward)
     stress.record_load(layout.work / "test-results", args.hog)
     if args.hog:
         return stress.report(layout.work, baseline) or returncode
@@ -563,11 +588,18 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-leave-one-out", action="store_true", help="skip phase 3 (a partial run; never in CI)")
     s.add_argument("--no-engine", action="store_true",
                    help="skip the real-engine scenarios (tests/engine) in every phase (a partial run; never in CI)")
+    s.add_argument("--no-forward", action="store_true",
+                   help="skip phase 2b, the forwarded LMCache series' proofs (a partial run; never in CI)")
     s.add_argument("--hog", type=int, default=0, metavar="N",
                    help="run N busy loops beside the tests and list every result that changed from the last "
                         "idle run (make stress)")
     s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments, after --")
     s.set_defaults(func=cmd_test)
+
+    s = sub.add_parser("test-forward", help="phase 2b of make test alone, in make test's venv (work/venv): each "
+                       "forwarded LMCache series' picked proofs (patches/lmcache-<version>/make-test-picks) on its "
+                       "pristine release and on the series")
+    s.set_defaults(func=cmd_test_forward)
 
     s = sub.add_parser("gpu-bundles", help="make and stamp the GPU checks' bundles (work/activation-bundle, "
                        "work/lmcache-gpu-bundle) from the trees under test")

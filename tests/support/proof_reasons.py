@@ -13,6 +13,11 @@ proof fails for on a newer release where that release changed how the failure sh
 folder of that release declares each, with why; build/distbuild/host/forward_lmcache.py). The
 proof's patch and part stay; the project's conftest then judges it by the restated reason.
 
+With ``DIST_PROOF_MARKERS=<file>`` it writes, once the session collected its tests, the marker of
+each proof collected (``{node id: {patch, part, fails_with}}``): a ``--collect-only`` run of some node
+ids says which patch each of them proves without running it (the picks of make test's phase 2b,
+build/distbuild/host/forward_picks.py).
+
 On the pristine tree phase 2's rule decides (strict xfail: every proof must fail); what it
 failed with is not kept there (pytest's JUnit XML records an xfail by its reason only). These
 records say which proofs failed for their stated reason and which failed before they got to it,
@@ -30,6 +35,7 @@ from tests.conftest import fails_as_stated, failure_text
 
 REASONS_ENV = "DIST_PROOF_REASONS"
 RESTATED_ENV = "DIST_PROOF_RESTATED"
+MARKERS_ENV = "DIST_PROOF_MARKERS"
 CLIP = 600  # characters of a failure kept: enough for its type and the line that says why
 
 _records: dict[str, dict[str, object]] = {}
@@ -74,6 +80,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.fixes(*marker.args, **{**marker.kwargs, "fails_with": regex}), append=False)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    target = os.environ.get(MARKERS_ENV)
+    if not target:
+        return
+    markers = {}
+    for item in session.items:
+        marker = item.get_closest_marker("fixes")
+        if marker is not None:
+            markers[item.nodeid] = {"patch": marker.args[0] if marker.args else None,
+                                    "part": marker.kwargs.get("part"), "fails_with": marker.kwargs.get("fails_with")}
+    _write_json(Path(target), markers)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """``data`` as JSON at ``path``, whole or not at all: a reader never sees a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(path.name + ".partial")
+    staging.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")
+    os.replace(staging, path)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _records.clear()  # one session's records (pytest run in-process, as the tool tests run it, shares the module)
 
@@ -92,8 +119,4 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     target = os.environ.get(REASONS_ENV)
     if not target:
         return
-    path = Path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(path.name + ".partial")
-    staging.write_text(json.dumps(dict(sorted(_records.items())), indent=1) + "\n")
-    os.replace(staging, path)
+    _write_json(Path(target), _records)

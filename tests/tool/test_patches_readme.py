@@ -8,6 +8,7 @@ import re
 import tomllib
 from pathlib import Path
 
+from distbuild.prmap import pull_requests
 from distbuild.series import series_entries
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,15 +33,6 @@ def table_rows(text: str) -> dict[str, list[str]]:
     return rows
 
 
-def expand(numbers: str) -> set[str]:
-    """'0001-0004, 0018' -> {'0001', '0002', '0003', '0004', '0018'}."""
-    found: set[str] = set()
-    for part in numbers.split(","):
-        low, _, high = part.strip().partition("-")
-        found.update(f"{n:04d}" for n in range(int(low), int(high or low) + 1))
-    return found
-
-
 def test_each_base_is_the_pinned_sdist():
     pins = tomllib.loads((ROOT / "build" / "pins.toml").read_text())["artifact"]
     for upstream in ("lmcache", "flashinfer"):
@@ -59,11 +51,8 @@ def test_every_patch_of_each_series_has_a_row_and_no_other():
 
 
 def test_each_lmcache_patch_names_the_pull_request_the_pr_map_puts_it_in():
-    pr_of: dict[str, str] = {}
-    for line in (ROOT / "docs" / "pr-map.md").read_text().splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if line.startswith("|") and cells[0].isdigit() and len(cells) > 2:
-            pr_of.update(dict.fromkeys(expand(cells[2]), cells[0]))
+    prs = pull_requests(ROOT / "docs" / "pr-map.md")
+    pr_of = {number: str(pr) for pr, numbers in prs.items() for number in numbers}
     rows = table_rows(section("LMCache"))
     assert pr_of.keys() == rows.keys(), "docs/pr-map.md and patches/README.md group different patches"
     wrong = {number: (cells[1], pr_of[number]) for number, cells in rows.items() if cells[1] != pr_of[number]}

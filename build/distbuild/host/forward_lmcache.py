@@ -148,6 +148,15 @@ def restated(series_dir: Path, patches: list[str]) -> list[Restated]:
     return found
 
 
+def write_restated(series_dir: Path, patches: list[str], path: Path) -> list[Restated]:
+    """The release's restated reasons, written to ``path`` as tests/support/proof_reasons.py reads them
+    (``RESTATED_ENV``)."""
+    found = restated(series_dir, patches)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({entry.node: entry.regex for entry in found}, indent=1) + "\n")
+    return found
+
+
 def leave_out_rules(series_dir: Path, pinned_dir: Path) -> Path:
     """The folder whose ``leave-out`` file says which later patches build on which: the release's series
     folder when it has one, else the pinned series' (a forwarded series keeps the same order and names)."""
@@ -162,7 +171,8 @@ def junit_name(node: str) -> str:
     return "::".join([".".join([module, *parts[:-1]]), parts[-1]])
 
 
-def _covers(declared: str, junit: str) -> bool:
+def covers(declared: str, junit: str) -> bool:
+    """Whether a junit-named test is the declared one, or one of its parametrized cases."""
     return junit == declared or junit.startswith(declared + "[")
 
 
@@ -250,7 +260,8 @@ def read_reasons(path: Path) -> dict[str, dict]:
     return {str(node): dict(record) for node, record in data.items()}
 
 
-def _pristine_state(record: dict) -> str:
+def pristine_state(record: dict) -> str:
+    """What one proof_reasons.py record says the proof did on the pristine release (ProofRow.pristine)."""
     outcome = record.get("outcome")
     if outcome == "failed":
         if record.get("stated"):
@@ -265,7 +276,7 @@ def proof_rows(reasons: dict[str, dict], series: testrun.Outcome, declared: list
     """One row per proof: what it did on the pristine release and on the series."""
     rows: dict[str, ProofRow] = {}
     for node, record in reasons.items():
-        rows[node] = ProofRow(node, str(record.get("patch")), _pristine_state(record), "not run")
+        rows[node] = ProofRow(node, str(record.get("patch")), pristine_state(record), "not run")
     for entry in declared:
         rows[entry.node] = ProofRow(entry.node, entry.patch, "not applicable", "not run")
     outcome_of = {**dict.fromkeys(series.passed, "passed"), **dict.fromkeys(series.skipped, "skipped"),
@@ -273,7 +284,7 @@ def proof_rows(reasons: dict[str, dict], series: testrun.Outcome, declared: list
     done = []
     for node, row in rows.items():
         junit = junit_name(node)
-        states = [state for name, state in outcome_of.items() if _covers(junit, name)]
+        states = [state for name, state in outcome_of.items() if covers(junit, name)]
         state = "failed" if "failed" in states else (states[0] if states else "not run")
         done.append(ProofRow(row.node, row.patch, row.pristine, state))
     return sorted(done, key=lambda r: (r.patch, r.node))
@@ -330,6 +341,17 @@ def write_proof_table(rows: list[ProofRow], path: Path, version: str) -> Path:
 # The steps
 
 
+def release_variants(tree: Path, version: str, patches: list[Patch], venv: Path, series_site: Path | None,
+                     pristine_site: Path) -> list[testenv.Variant]:
+    """The series' build (``patched``) and the pristine release's, as testenv builds and installs them: the
+    series' into ``series_site`` (None: into the venv itself), the pristine release's into ``pristine_site``,
+    each put first on ``PYTHONPATH`` by testenv.install."""
+    repo = Repo(tree)
+    series_version = f"{version}+dist.{series_hash(patches)[:8]}"
+    return [testenv.Variant("patched", venv, tree, repo.tree("HEAD"), series_version, series_site),
+            testenv.Variant("pristine", venv, tree, repo.tree(PRISTINE_REF), version, pristine_site)]
+
+
 class LMCacheForward:
     """Steps 3-6 on one prepared tree."""
 
@@ -359,12 +381,8 @@ class LMCacheForward:
     # 3. build
 
     def variants(self) -> list[testenv.Variant]:
-        repo = Repo(self.tree)
-        series_tree, pristine_tree = repo.tree("HEAD"), repo.tree(PRISTINE_REF)
-        version = f"{self.version}+dist.{series_hash(self.patches)[:8]}"
-        return [testenv.Variant("patched", self.out / "venv", self.tree, series_tree, version, None),
-                testenv.Variant("pristine", self.out / "venv", self.tree, pristine_tree, self.version,
-                                self.out / "lmcache-pristine")]
+        return release_variants(self.tree, self.version, self.patches, self.out / "venv", None,
+                                self.out / "lmcache-pristine")
 
     def build(self) -> list[str]:
         started = time.monotonic()
@@ -391,11 +409,8 @@ class LMCacheForward:
                 f"wheels built NO_GPU_EXT=1, cached by tree hash in {self.setup.wheels}; logs in {self.logs}"]
 
     def _restated_file(self) -> Path:
-        """The release's restated reasons as tests/support/proof_reasons.py reads them."""
-        self.restated = restated(self.series_dir, [p.name for p in self.patches])
         path = self.results / "restated.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({entry.node: entry.regex for entry in self.restated}, indent=1) + "\n")
+        self.restated = write_restated(self.series_dir, [p.name for p in self.patches], path)
         return path
 
     # 4. proofs
@@ -518,8 +533,8 @@ class LMCacheForward:
             without = patch.split("-", 1)[0] + (f" (and {', '.join(d.split('-', 1)[0] for d in variant.dependents)})"
                                                 if variant.dependents else "")
             for entry in entries:
-                passed = any(_covers(entry.junit(), node) for node in outcome.passed)
-                failed = any(_covers(entry.junit(), node) for node in outcome.failed)
+                passed = any(covers(entry.junit(), node) for node in outcome.passed)
+                failed = any(covers(entry.junit(), node) for node in outcome.failed)
                 lines += _wrapped(f"does not apply to {self.version}: ", entry.node.split("::", 1)[-1])
                 lines.append(f"  why: {entry.why}")
                 held = passed and not failed
@@ -625,6 +640,6 @@ class LMCacheForward:
 # Steps that run whatever an earlier one of them gave: each is a check of its own on the built trees.
 INDEPENDENT = ("proofs", "suite", "engine")
 
-__all__ = ["INDEPENDENT", "KEPT", "LMCacheForward", "NotApplicable", "ProofRow", "Setup", "heartbeat",
-           "junit_name", "leave_out_rules", "not_applicable", "proof_rows", "proof_summary", "read_reasons",
-           "write_proof_table"]
+__all__ = ["INDEPENDENT", "KEPT", "LMCacheForward", "NotApplicable", "ProofRow", "Restated", "Setup", "covers",
+           "heartbeat", "junit_name", "leave_out_rules", "not_applicable", "pristine_state", "proof_rows",
+           "proof_summary", "read_reasons", "release_variants", "restated", "write_proof_table", "write_restated"]

@@ -20,6 +20,10 @@ Phases:
    2 and 3 (all three mostly wait on servers and timeouts), its output in
    ``work/logs/phase-4-*.log``.
 
+Phase 2b, beside phases 2 and 3 too: each LMCache series forwarded to a newer
+release (``patches/lmcache-<version>/``) by one proof per pull request, on that
+release's pristine build and on the series' (``forward_picks.py``).
+
 The closing summary gives each phase's minutes and the slowest ten tests, so
 a regression in time shows in CI's own output.
 """
@@ -66,6 +70,25 @@ class Outcome:
     xfailed: set[str] = field(default_factory=set)
     returncode: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # junit's time per test
+
+
+@dataclass
+class SideRun:
+    """A check that runs beside phases 2 and 3 (phase 2b, host/forward_picks.py): its summary lines, its
+    problems, its minutes, its pytest outcomes (for the slowest tests), its checks passed and failed, and
+    the lines that say what it ran."""
+    summary: list[str]
+    problems: list[str]
+    seconds: float
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    passed: int = 0
+    failed: int = 0
+    details: list[str] = field(default_factory=list)
+
+    def add(self, other: "SideRun") -> "SideRun":
+        return SideRun(self.summary + other.summary, self.problems + other.problems, self.seconds + other.seconds,
+                       {**self.outcomes, **other.outcomes}, self.passed + other.passed,
+                       self.failed + other.failed, self.details + other.details)
 
 
 def run_pytest(python: Path, args: list[str], cwd: Path, junit: Path, env: dict[str, str], label: str,
@@ -603,6 +626,7 @@ class _Phases:
     seconds: dict[str, float] = field(default_factory=dict)
     peer_run: PeerRun | None = None
     peer_store: peerstore.PeerStore | None = None
+    forward_run: SideRun | None = None
 
     @property
     def junit(self) -> Path:
@@ -644,6 +668,26 @@ class _Phases:
                                            self.peer_store)
         peer_pool.shutdown(wait=False)
         return peer_future
+
+    def start_forward(self, forward: Callable[[dict[str, str]], SideRun] | None
+                      ) -> concurrent.futures.Future[SideRun] | None:
+        """Phase 2b in a thread of its own, beside phases 2 and 3; None when it does not run (a problem)."""
+        if forward is None:
+            self.problems.append("phase 2b: skipped (--no-forward): a partial run")
+            return None
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        future = pool.submit(forward, self.extra_env)
+        pool.shutdown(wait=False)
+        return future
+
+    def take_forward(self, run: SideRun) -> None:
+        """Phase 2b's lines, problems and outcomes."""
+        self.seconds["2b"] = run.seconds
+        self.problems.extend(run.problems)
+        self.forward_run = run
+        print(f"\n=== phase 2b (ran beside phases 2 and 3, {run.seconds / 60:.1f} min):", flush=True)
+        for line in [*run.details, *run.summary]:
+            print(f"  {line}", flush=True)
 
     def run_phases_2_and_3(
         self, leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None
@@ -700,11 +744,14 @@ class _Phases:
         proofs = results["pristine"]
         left = results.get("leave-one-out", Outcome())
         added = peer_run.added if peer_run else []
-        passed = (sum(len(o.passed) for o in results.values()) + len(proofs.xfailed) + len(left.xfailed))
+        side = self.forward_run or SideRun([], [], 0.0)
+        passed = (sum(len(o.passed) for o in results.values()) + len(proofs.xfailed) + len(left.xfailed)
+                  + side.passed)
         # A peer test that fails on both builds is upstream's, not ours: it is
         # reported, and only regressions against pristine count as failures.
         failed = (len(results["patched"].failed) + len(proofs.failed) + len(left.failed)
-                  + len(peer_run.regressed() if peer_run else ()) + len(added_failed(results.get("peer"), added)))
+                  + len(peer_run.regressed() if peer_run else ()) + len(added_failed(results.get("peer"), added))
+                  + side.failed)
         skipped = sum(len(o.skipped) for o in results.values())
         return passed, failed, skipped
 
@@ -714,7 +761,7 @@ class _Phases:
         passed, failed, skipped = self.totals()
         proofs = results["pristine"]
         left = results.get("leave-one-out", Outcome())
-        timed = ", ".join(f"phase {n} {t / 60:.1f} min" + (" beside 2+3" if n == "4" else "")
+        timed = ", ".join(f"phase {n} {t / 60:.1f} min" + (" beside 2+3" if n in ("2b", "4") else "")
                           for n, t in self.seconds.items())
         print(f"\nsummary ({timed}; {(time.monotonic() - started) / 60:.1f} min in all):")
         print(f"  phase 1 project tests (patched): {len(results['patched'].passed)} passed, "
@@ -724,9 +771,12 @@ class _Phases:
         if "leave-one-out" in results:
             print(f"  phase 3 leave-one-out: {len(left.xfailed)} proofs failed without their patch for their "
                   f"stated reason, {len(left.failed)} did not")
+        if self.forward_run is not None:
+            for line in self.forward_run.summary:
+                print(f"  {line}")
         if self.peer_run is not None:
             print(self.peer_summary(self.peer_run))
-        print(slowest_tests(results))
+        print(slowest_tests({**results, **(self.forward_run.outcomes if self.forward_run else {})}))
         for problem in self.problems:
             print(f"FAILED {problem}")
         print(f"test: {passed} passed, {failed} failed, {skipped} skipped")
@@ -747,8 +797,10 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
             pytest_args: list[str], extra_env: dict[str, str] | None = None,
             paths: list[str] | None = None, peer: bool = True,
             leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None = None,
-            engine: bool = True, peer_store: peerstore.PeerStore | None = None) -> int:
-    """The four phases; prints one closing 'N passed, N failed' line."""
+            engine: bool = True, peer_store: peerstore.PeerStore | None = None,
+            forward: Callable[[dict[str, str]], SideRun] | None = None) -> int:
+    """The four phases, and phase 2b beside phases 2 and 3 (``forward``, given the runs' extra environment;
+    None: skipped, a partial run); prints one closing 'N passed, N failed' line."""
     problems: list[str] = []
     paths = paths or ["tests"]
     if not engine:
@@ -762,8 +814,11 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
     started = time.monotonic()
     phases.run_phase_1()
     peer_future = phases.start_peer_suite(peer)
+    forward_future = phases.start_forward(forward)
     proofs = phases.run_phases_2_and_3(leave_one_out)
     phases.judge_phase_2(proofs)
+    if forward_future is not None:
+        phases.take_forward(forward_future.result())
     if peer_future is not None:
         phases.take_peer_run(peer_future.result())
     phases.print_summary(started)
