@@ -42,7 +42,10 @@ CHUNK_TOKENS = 16
 # layers, K/V, tokens, heads, head size: 2 * 2 * 16 * 2 * 8 bf16 = 2048 bytes
 KV_SHAPE = (2, 2, CHUNK_TOKENS, 2, 8)
 CHUNK_BYTES = 2048
-RESULT_BOUND_S = 10.0
+# A bound on a hang, not on speed: every call here returns within about 2 s on an idle host. Beside
+# phases 2 and 3 (three leave-one-out runs, the pristine proofs and phase 2b's wheel builds) a GET's
+# own 1 s wait once ran past 10 s before it timed out.
+RESULT_BOUND_S = 60.0
 
 
 def _torch():
