@@ -162,7 +162,8 @@ RUN python3 /usr/local/lib/glm53/aptpin.py install --lock /opt/glm53/lock/debian
 COPY image/imagectl/debsource.py /src/scripts/imagectl/debsource.py
 # No man pages (pandoc), no pyverbs (cython), no static libraries; udev and systemd are only
 # for the daemons. The libraries find their providers and drivers under /opt/rdma-core, the
-# path the runtime keeps.
+# path the runtime keeps. The build folder goes: CMake's logs in it differ from build to build
+# (measured by make image-repro).
 WORKDIR /work/rdma-core
 RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
     with-build-ca python3 /src/scripts/imagectl/debsource.py --source rdma-core \
@@ -174,7 +175,8 @@ RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
          -DNO_MAN_PAGES=1 -DNO_PYVERBS=1 -DENABLE_STATIC=0 -DENABLE_RESOLVE_NEIGH=1 >/dev/null \
     && make -C build -j"${MAX_JOBS}" >/dev/null && make -C build install >/dev/null \
     && { grep -q "EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE" /opt/rdma-core/include/infiniband/efadv.h \
-         || { echo "rdma-core ${RDMA_CORE_VERSION}: no libefa with EFA RDMA write under /opt/rdma-core" >&2; exit 1; }; }
+         || { echo "rdma-core ${RDMA_CORE_VERSION}: no libefa with EFA RDMA write under /opt/rdma-core" >&2; exit 1; }; } \
+    && rm -rf build
 WORKDIR /work/libfabric
 RUN --mount=type=cache,target=/var/cache/dist --mount=type=secret,id=build-ca \
     with-build-ca python3 /src/scripts/imagectl/debsource.py --source libfabric \
