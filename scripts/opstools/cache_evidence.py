@@ -63,8 +63,8 @@ def metrics_url(base: str) -> str:
 class HitCounter:
     """The summed connector hit counter of some engines."""
 
-    def __init__(self, session: Any, urls: list[str], timeout_s: float = 10.0) -> None:
-        self.session = session
+    def __init__(self, http: Any, urls: list[str], timeout_s: float = 10.0) -> None:
+        self.http = http
         self.urls = [metrics_url(u) for u in urls]
         self.timeout_s = timeout_s
 
@@ -73,7 +73,7 @@ class HitCounter:
 
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self.session.get(url) as resp:
+                async with self.http.get(url) as resp:
                     if resp.status != 200:
                         return None
                     text = await resp.text(errors="replace")

@@ -151,7 +151,7 @@ def _handle_event(data: str, record: RequestRecord, now_s: float, keep_text: boo
 
 
 async def stream_completion(
-    session: aiohttp.ClientSession,
+    http: aiohttp.ClientSession,
     url: str,
     body: dict[str, Any],
     record: RequestRecord,
@@ -174,7 +174,7 @@ async def stream_completion(
     done = False
     try:
         async with asyncio.timeout(request_timeout_s):
-            async with session.post(url, data=payload, headers={"Content-Type": "application/json"}) as resp:
+            async with http.post(url, data=payload, headers={"Content-Type": "application/json"}) as resp:
                 record.http_status = resp.status
                 if resp.status != 200:
                     text = await resp.text(errors="replace")

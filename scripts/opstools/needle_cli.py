@@ -188,7 +188,7 @@ def parse_phases(text: str, skip_restart: bool) -> list[str]:
     return phases
 
 
-async def wait_until_serving(session: Any, base_url: str, timeout_s: float) -> None:
+async def wait_until_serving(http: Any, base_url: str, timeout_s: float) -> None:
     import aiohttp
 
     deadline = time.monotonic() + timeout_s
@@ -196,7 +196,7 @@ async def wait_until_serving(session: Any, base_url: str, timeout_s: float) -> N
     last = "no answer yet"
     while time.monotonic() < deadline:
         try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with http.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status == 200:
                     return
                 last = f"HTTP {resp.status}"
@@ -206,15 +206,15 @@ async def wait_until_serving(session: Any, base_url: str, timeout_s: float) -> N
     raise OpsError(f"{url}: the engine did not serve again within {timeout_s:g} s (last: {last})")
 
 
-async def _hit_counter(session: Any, args: argparse.Namespace, engine_url: str) -> Any:
+async def _hit_counter(http: Any, args: argparse.Namespace, engine_url: str) -> Any:
     """The connector hit counter to judge cached phases by, or None (then usage's cached_tokens)."""
     from .cache_evidence import HITS_METRIC, HitCounter
 
     if args.metrics_url:
-        counter = HitCounter(session, args.metrics_url)
+        counter = HitCounter(http, args.metrics_url)
         await counter.require()
         return counter
-    counter = HitCounter(session, [engine_url])
+    counter = HitCounter(http, [engine_url])
     if await counter.read() is not None:
         return counter
     _say(f"needle: {counter.urls[0]} serves no {HITS_METRIC} counter; phases l1/l2 are judged by the answers' "
@@ -225,11 +225,11 @@ async def _hit_counter(session: Any, args: argparse.Namespace, engine_url: str) 
 
 
 async def _fit_all(
-    args: argparse.Namespace, session: Any, engine_url: str, model: str, salts: dict[str, str]
+    args: argparse.Namespace, http: Any, engine_url: str, model: str, salts: dict[str, str]
 ) -> dict[str, list[FittedPrompt]]:
     from .tokenizer_client import TokenizerClient
 
-    tokenizer = TokenizerClient(session, engine_url, model)
+    tokenizer = TokenizerClient(http, engine_url, model)
     specs = make_specs(args.lengths, args.seed)
     fitted: dict[str, list[FittedPrompt]] = {}
     for salt_name, salt in salts.items():
@@ -249,7 +249,7 @@ async def _fit_all(
     return fitted
 
 
-async def _ask(session: Any, args: argparse.Namespace, model: str, prompt: FittedPrompt, phase: str,
+async def _ask(http: Any, args: argparse.Namespace, model: str, prompt: FittedPrompt, phase: str,
                counter: Any) -> Answer:
     from .cache_evidence import judge
     from .completions import stream_completion
@@ -261,7 +261,7 @@ async def _ask(session: Any, args: argparse.Namespace, model: str, prompt: Fitte
         "model": model, "prompt": prompt.text, "max_tokens": args.max_answer_tokens, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True},
     }
-    await stream_completion(session, args.url.rstrip("/") + "/v1/completions", body, record, time.monotonic(),
+    await stream_completion(http, args.url.rstrip("/") + "/v1/completions", body, record, time.monotonic(),
                             args.request_timeout, keep_text=True)
     found = record.ok and answer_has_code(record.text, prompt.spec.code)
     answer = Answer(prompt, phase, record.status, found, record.ttft_s, record.e2e_s, record.cached_tokens,
@@ -291,12 +291,12 @@ async def _run(args: argparse.Namespace, out: Path, phases: list[str], answers: 
     salts = {"first": f"{salt}-first", "again": f"{salt}-again"}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     engine_url = args.engine_url or args.url
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        model = await resolve_model(session, engine_url, args.model, 10.0)
-        counter = await _hit_counter(session, args, engine_url)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        model = await resolve_model(http, engine_url, args.model, 10.0)
+        counter = await _hit_counter(http, args, engine_url)
         if "cold-again" not in phases:
             salts.pop("again")
-        fitted = await _fit_all(args, session, engine_url, model, salts)
+        fitted = await _fit_all(args, http, engine_url, model, salts)
         with (out / "prompts.jsonl").open("w", encoding="utf-8") as handle:
             for prompts in fitted.values():
                 for p in prompts:
@@ -310,7 +310,7 @@ async def _run(args: argparse.Namespace, out: Path, phases: list[str], answers: 
         for phase in phases:
             if phase == "l1" and args.reset_prefix_cache:
                 url = engine_url.rstrip("/") + "/reset_prefix_cache"
-                async with session.post(url) as resp:
+                async with http.post(url) as resp:
                     if resp.status != 200:
                         raise OpsError(f"{url}: HTTP {resp.status}; start vLLM with VLLM_SERVER_DEV_MODE=1 "
                                        "or drop --reset-prefix-cache")
@@ -322,11 +322,11 @@ async def _run(args: argparse.Namespace, out: Path, phases: list[str], answers: 
                 if not line:
                     raise OpsError("phase l2: no operator input (stdin is closed); pass --skip-restart "
                                    "or run interactively")
-                await wait_until_serving(session, engine_url, args.restart_timeout)
+                await wait_until_serving(http, engine_url, args.restart_timeout)
             prompts = fitted["again" if phase == "cold-again" else "first"]
             _say(f"needle: phase {phase}: {PHASE_MEANING[phase]}")
             for prompt in prompts:
-                answer = await _ask(session, args, model, prompt, phase, counter)
+                answer = await _ask(http, args, model, prompt, phase, counter)
                 answers.append(answer)
                 ttft = f"{answer.ttft_s:.2f} s" if answer.ttft_s is not None else "-"
                 verdict = "found" if answer.found else "NOT FOUND"

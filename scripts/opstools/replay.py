@@ -88,7 +88,7 @@ def completion_body(request: StreamRequest, model: str, extra_body: dict[str, An
     return body
 
 
-async def resolve_model(session: aiohttp.ClientSession, base_url: str, model: str | None, timeout_s: float) -> str:
+async def resolve_model(http: aiohttp.ClientSession, base_url: str, model: str | None, timeout_s: float) -> str:
     """Check the endpoint answers and return the model name to send.
 
     Without ``model``, the first id of ``GET /v1/models`` is used.
@@ -96,7 +96,7 @@ async def resolve_model(session: aiohttp.ClientSession, base_url: str, model: st
     url = base_url.rstrip("/") + "/v1/models"
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.get(url) as resp:
+            async with http.get(url) as resp:
                 status = resp.status
                 text = await resp.text(errors="replace")
     except aiohttp.ClientConnectorError as exc:
@@ -186,11 +186,11 @@ async def _sleep_until(moment: float) -> None:
 
 
 class _Replay:
-    """One run's shared parts: the session, the model, the clock, the counters and the client slots."""
+    """One run's shared parts: the HTTP client, the model, the clock, the counters and the client slots."""
 
-    def __init__(self, session: aiohttp.ClientSession, config: ReplayConfig, model: str, requests_total: int,
+    def __init__(self, http: aiohttp.ClientSession, config: ReplayConfig, model: str, requests_total: int,
                  progress: Callable[[str], None] | None) -> None:
-        self.session = session
+        self.http = http
         self.config = config
         self.model = model
         self.progress = progress
@@ -251,7 +251,7 @@ class _Replay:
         state.peak_in_flight = max(state.peak_in_flight, state.in_flight)
         try:
             await stream_completion(
-                self.session, self.config.completions_url, body, record, self.start, self.config.request_timeout_s
+                self.http, self.config.completions_url, body, record, self.start, self.config.request_timeout_s
             )
         finally:
             state.in_flight -= 1
@@ -335,10 +335,10 @@ async def run_replay(
     """Replay ``requests`` (sorted by offset) and return every request's record."""
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        model = await resolve_model(session, config.base_url, config.model, config.connect_timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        model = await resolve_model(http, config.base_url, config.model, config.connect_timeout_s)
         records = [RequestRecord(id=r.id, offset_s=r.offset_s) for r in requests]
-        replay = _Replay(session, config, model, len(requests), progress)
+        replay = _Replay(http, config, model, len(requests), progress)
         await replay.run(requests, records)
         return ReplayResult(
             records=records,

@@ -565,9 +565,9 @@ async def _measure_ratio(url: str, model: str | None) -> float:
     from .replay import resolve_model
     from .tokenizer_client import TokenizerClient, measure_tokens_per_word
 
-    async with aiohttp.ClientSession() as session:
-        name = await resolve_model(session, url, model, 10.0)
-        return await measure_tokens_per_word(TokenizerClient(session, url, name))
+    async with aiohttp.ClientSession() as http:
+        name = await resolve_model(http, url, model, 10.0)
+        return await measure_tokens_per_word(TokenizerClient(http, url, name))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,8 +18,8 @@ from .wordtext import random_words, words_to_text
 
 
 class TokenizerClient:
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float = 120.0) -> None:
-        self.session = session
+    def __init__(self, http: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float = 120.0) -> None:
+        self.http = http
         self.url = base_url.rstrip("/") + "/tokenize"
         self.model = model
         self.timeout_s = timeout_s
@@ -31,7 +31,7 @@ class TokenizerClient:
         body = {"model": self.model, "prompt": text, "add_special_tokens": True}
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self.session.post(self.url, json=body) as resp:
+                async with self.http.post(self.url, json=body) as resp:
                     status = resp.status
                     raw = await resp.text(errors="replace")
         except aiohttp.ClientConnectorError as exc:

@@ -266,11 +266,11 @@ class Load:
         tail = f"request {n} " + " ".join(f"w{n}x{i}" for i in range(self.prompt_words))
         return f"{self.prefixes[n % self.clients % len(self.prefixes)]} {tail}" if self.prefixes else tail
 
-    async def _one(self, session: aiohttp.ClientSession, n: int) -> None:
+    async def _one(self, http: aiohttp.ClientSession, n: int) -> None:
         body = {"model": "fake-glm", "prompt": self.prompt(n), "max_tokens": 4, "stream": True}
         start = time.monotonic()
         try:
-            async with session.post(self.url + "/v1/completions", json=body) as response:
+            async with http.post(self.url + "/v1/completions", json=body) as response:
                 text = await response.text()
                 finishes = [json.loads(line[6:])["choices"][0].get("finish_reason")
                             for line in text.splitlines()
@@ -281,19 +281,19 @@ class Load:
             ok, detail = False, repr(error)
         self.outcomes.append(Outcome(start, time.monotonic(), ok, detail))
 
-    async def _client(self, session: aiohttp.ClientSession, first: int) -> None:
+    async def _client(self, http: aiohttp.ClientSession, first: int) -> None:
         assert self._stop is not None
         n = first
         while not self._stop.is_set():
-            await self._one(session, n)
+            await self._one(http, n)
             n += self.clients
 
     async def run(self, script) -> None:
         """Run the load while ``script`` (a coroutine function) does the disruption."""
         self._stop = asyncio.Event()
         timeout = aiohttp.ClientTimeout(total=60)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            clients = [asyncio.create_task(self._client(session, i)) for i in range(self.clients)]
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            clients = [asyncio.create_task(self._client(http, i)) for i in range(self.clients)]
             try:
                 await script()
             finally:

@@ -200,10 +200,10 @@ def test_malformed_stream_stops_the_run_and_keeps_records(tmp_path, engine, caps
 def _one(engine_url: str, plan: str, timeout_s: float = 20.0) -> RequestRecord:
     async def go() -> RequestRecord:
         record = RequestRecord(id="x", offset_s=0.0)
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession() as http:
             body = {"model": "m", "prompt": f"@plan {plan}\nwords", "max_tokens": 2, "stream": True,
                     "stream_options": {"include_usage": True}}
-            await stream_completion(session, engine_url + "/v1/completions", body, record, 0.0, timeout_s,
+            await stream_completion(http, engine_url + "/v1/completions", body, record, 0.0, timeout_s,
                                     keep_text=True)
         return record
 
