@@ -252,7 +252,7 @@ class ProofRow:
 def read_reasons(path: Path) -> dict[str, dict]:
     """tests/support/proof_reasons.py's records, by node id."""
     if not path.is_file():
-        raise DistBuildError(f"the pristine proof run wrote no {path}: pytest did not get to the end of its session")
+        raise DistBuildError(f"the pristine proof run wrote no {path}: pytest did not run to its end")
     try:
         data = json.loads(path.read_text())
     except ValueError as exc:
