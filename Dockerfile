@@ -494,6 +494,8 @@ ARG FLASHINFER_PATCHED_TREE=unknown
 ARG VLLM_PATCHED_TREE=unknown
 ARG FLASHINFER_AOT=unknown
 ARG IMAGE_KIND=unknown
+# The KV key epoch the entrypoint gives LMCache (imagectl/keyepoch.py, from the trees above).
+ARG KV_KEY_EPOCH=unknown
 ARG IMAGE_VERSION=dev
 ARG IMAGE_REVISION=unknown
 ARG IMAGE_CREATED=unknown
@@ -525,7 +527,8 @@ LABEL org.opencontainers.image.title="glm53-b300-serving" \
       io.glm53.flashinfer.patched-tree="${FLASHINFER_PATCHED_TREE}" \
       io.glm53.vllm.patched-tree="${VLLM_PATCHED_TREE}" \
       io.glm53.flashinfer.fused-moe-aot="${FLASHINFER_AOT}" \
-      io.glm53.image.kind="${IMAGE_KIND}"
+      io.glm53.image.kind="${IMAGE_KIND}" \
+      io.glm53.kv-key-epoch="${KV_KEY_EPOCH}"
 USER 1000:0
 WORKDIR /home/serve
 EXPOSE 8000

@@ -18,6 +18,10 @@
     IMAGE pd-proxy [args]                   vLLM's NIXL P/D toy proxy (toy_proxy_server.py of the pinned sdist)
     IMAGE replay|valkey-stats|needle|profile-capture|kv-sizing [args]   operator tools
     IMAGE bash|sh|python3|/abs/program ...  run that program
+
+Every command runs with LMCACHE_KV_KEY_EPOCH, the image's KV key epoch (LMCache's chunk keys carry
+it, so images of other builds sharing a Valkey keep their own chunks), unless it is set already
+(empty: no epoch) or LMCACHE_CONFIG_FILE's file sets kv_key_epoch.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import identity, presets
+from . import identity, keyepoch, presets
 
 HOME = Path(os.environ.get("GLM53_HOME", "/opt/glm53"))
 CONFIG_ROOT = Path(os.environ.get("GLM53_CONFIGS", "/etc/glm53"))
@@ -116,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **chosen.env}
     for key in sorted(chosen.env):
         print(f"entrypoint: {key}={chosen.env[key]} (preset)", file=sys.stderr)
+    # LMCache's chunk keys carry the image's KV key epoch unless the operator chose one (keyepoch.py).
+    epoch, said = keyepoch.default_env(env, HOME / "manifest.json")
+    print(f"entrypoint: {said}", file=sys.stderr)
+    env.update(epoch)
     if chosen.preflight is not None:
         from . import preflight
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 
 from .flashinfer_aot import DEVELOPMENT
+from .keyepoch import image_epoch
 
 UPSTREAMS = ("lmcache", "flashinfer", "vllm")
 
@@ -29,10 +30,18 @@ def series_sha256(manifest: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def kv_key_epoch(manifest: dict) -> str:
+    """The ``io.glm53.kv-key-epoch`` label: the epoch the entrypoint gives LMCache (keyepoch.py)."""
+    try:
+        return image_epoch(manifest)
+    except ValueError:
+        return "unknown"
+
+
 def build_args(manifest: dict, aot_status: str) -> dict[str, str]:
     upstreams = manifest.get("upstreams", {})
     args = {"PATCH_SERIES_SHA256": series_sha256(manifest), "FLASHINFER_AOT": aot_status,
-            "IMAGE_KIND": image_kind(aot_status)}
+            "IMAGE_KIND": image_kind(aot_status), "KV_KEY_EPOCH": kv_key_epoch(manifest)}
     for name in UPSTREAMS:
         args[f"{name.upper()}_PATCHED_TREE"] = upstreams.get(name, {}).get("patched_tree", "unknown")
     return args
@@ -45,6 +54,7 @@ LABEL_OF_ARG = {
     "VLLM_PATCHED_TREE": "io.glm53.vllm.patched-tree",
     "FLASHINFER_AOT": "io.glm53.flashinfer.fused-moe-aot",
     "IMAGE_KIND": "io.glm53.image.kind",
+    "KV_KEY_EPOCH": "io.glm53.kv-key-epoch",
 }
 
 

@@ -212,6 +212,52 @@ def test_namespace_follows_into_remote_url():
     assert rendered == original.replace(".vllm.svc", ".glm-prod.svc")
 
 
+def test_default_cell_leaves_the_key_epoch_to_the_image(docs):
+    """kvKeyEpoch "" writes nothing: the image's entrypoint gives LMCache the image's own epoch."""
+    rendered = by(docs, "ConfigMap", "glm53-prefill-config")["data"]["lmcache.yaml"]
+    assert "kv_key_epoch" not in yaml.safe_load(rendered)
+
+
+@pytest.mark.lmcache
+@pytest.mark.parametrize("value, epoch", [("shared-2026.1", "shared-2026.1"), ("3f9a07c2e1d4", "3f9a07c2e1d4"),
+                                          ("2026", "2026"), ("none", "")])
+def test_key_epoch_goes_into_the_prefill_lmcache_config(validate, tmp_path, value, epoch):
+    """A chosen epoch (or none: no epoch) in the ConfigMap's lmcache.yaml, the file LMCache and the
+    entrypoint read; the rest of the file is the shipped one, and LMCache's own loader accepts it."""
+    docs = render_cell(f"kvKeyEpoch={value}")
+    rendered = by(docs, "ConfigMap", "glm53-prefill-config")["data"]["lmcache.yaml"]
+    assert yaml.safe_load(rendered)["kv_key_epoch"] == epoch
+    assert rendered.startswith((CONFIGS / "prefill" / "lmcache.yaml").read_text().rstrip("\n"))
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(rendered)
+    loaded = validate.check_lmcache_file(path, CONFIGS / "prefill" / "env")
+    assert loaded.kv_key_epoch == epoch
+    # A new epoch changes the config's hash, so the prefill pods roll onto it.
+    annotation = "glm53.io/config-sha256"
+    sha = by(docs, "StatefulSet", "glm53-prefill")["spec"]["template"]["metadata"]["annotations"][annotation]
+    default = by(render_cell(), "StatefulSet", "glm53-prefill")["spec"]["template"]["metadata"]["annotations"]
+    assert sha != default[annotation]
+
+
+@pytest.mark.parametrize("value", ["cell@a", "builds/3f9a", "-3f9a", "x" * 65])
+def test_a_key_epoch_a_chunk_key_cannot_carry_is_refused_naming_it(value):
+    with pytest.raises(render.RenderError) as err:
+        render_cell(f"kvKeyEpoch={value}")
+    assert f'kvKeyEpoch "{value}" cannot be part of a chunk key' in str(err.value)
+
+
+def test_key_epoch_set_in_the_chart_and_in_lmcache_yaml_is_refused(tmp_path):
+    configs = _configs_copy(tmp_path)
+    lm = configs / "prefill" / "lmcache.yaml"
+    lm.write_text(lm.read_text() + "kv_key_epoch: cell-a\n")
+    # Set in the file alone, the file's stays (the entrypoint leaves it too).
+    rendered = by(render_cell(chart=_chart(configs)), "ConfigMap", "glm53-prefill-config")["data"]["lmcache.yaml"]
+    assert yaml.safe_load(rendered)["kv_key_epoch"] == "cell-a"
+    with pytest.raises(render.RenderError) as err:
+        render_cell("kvKeyEpoch=cell-b", chart=_chart(configs))
+    assert 'kvKeyEpoch "cell-b": configs/prefill/lmcache.yaml sets kv_key_epoch already (cell-a)' in str(err.value)
+
+
 @pytest.mark.parametrize("shards", [4, 16])
 def test_shard_count_other_than_prefill_ranks_is_refused(shards):
     with pytest.raises(render.RenderError) as err:

@@ -58,6 +58,8 @@ BROKEN = {
     "placeholder": (("valkey-lmcache-{rank}", "valkey-lmcache-{worker}"), "remote_url", "only {rank}"),
     "deprecated-alias": (("", "\ncontroller_url: tcp://127.0.0.1:1\n"), "controller_url", "controller_pull_url"),
     "lmcache-validate": (("", "\nmin_retrieve_tokens: -1\n"), "min_retrieve_tokens", "must be >= 0"),
+    "key-epoch": (("", "\nkv_key_epoch: cell@a\n"), "kv_key_epoch", "'cell@a' cannot be part of a chunk key"),
+    "key-epoch-type": (("", "\nkv_key_epoch: 2026\n"), "kv_key_epoch", "got int 2026"),
 }
 
 
@@ -84,8 +86,14 @@ def test_lmcaches_loader_alone_accepts_a_wrong_type(tmp_path):
     assert LMCacheEngineConfig.from_file(str(broken)).enable_async_loading is False
 
 
+def test_prefill_config_leaves_the_key_epoch_to_the_image(loaded):
+    """The shipped file sets no kv_key_epoch (patch 0030): the image's entrypoint gives its own."""
+    assert loaded.kv_key_epoch is None
+
+
 @pytest.mark.parametrize("line, key", [
     ("LMCACHE_CHUNK_SIZE=512", "LMCACHE_CHUNK_SIZE"),
+    ("LMCACHE_KV_KEY_EPOCH=shared", "LMCACHE_KV_KEY_EPOCH"),
     ("LMCACHE_REMOTE_URLS=resp://x:1", "LMCACHE_REMOTE_URLS"),
 ])
 def test_env_may_not_override_the_yaml(validate, tmp_path, line, key):

@@ -93,6 +93,23 @@ def test_help_lists_the_presets_and_tools(image):
         assert word in done.stdout
 
 
+def test_docker_run_gives_lmcache_the_images_kv_key_epoch_its_label_names(image):
+    """The entrypoint sets LMCACHE_KV_KEY_EPOCH from the image's manifest (imagectl/keyepoch.py) for
+    whatever it runs, as its label says; -e LMCACHE_KV_KEY_EPOCH= (empty) opts out, and the prefill
+    preset's LMCache config leaves the image's in place."""
+    engine, ref = image
+    label = subprocess.run([engine, "image", "inspect", "--format", '{{ index .Labels "io.glm53.kv-key-epoch" }}',
+                            ref], capture_output=True, text=True, check=True).stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{12}", label), label
+    echo = ("sh", "-c", 'printf "%s" "${LMCACHE_KV_KEY_EPOCH-unset}"')
+    done = run_image(image, *echo)
+    assert done.returncode == 0 and done.stdout == label, done.stdout + done.stderr
+    done = run_image(image, *echo, extra=("--env=LMCACHE_CONFIG_FILE=/etc/glm53/prefill/lmcache.yaml",))
+    assert done.stdout == label, done.stdout + done.stderr
+    done = run_image(image, *echo, extra=("--env=LMCACHE_KV_KEY_EPOCH=",))
+    assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
+
+
 def test_a_preset_without_a_model_is_refused_clearly(image):
     done = run_image(image, "prefill")
     assert done.returncode == 2

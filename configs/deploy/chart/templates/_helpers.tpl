@@ -17,7 +17,8 @@ enforce is checked here, so `helm template` and `helm install` refuse a broken c
   * the startup probe's budget covers VLLM_ENGINE_READY_TIMEOUT_S of each role's env file
     (the probe is derived from it: engineStartup);
   * the PriorityClass's name: priorityClass.name, or <release>.<namespace> (cluster-scoped, so
-    two cells never share one by accident).
+    two cells never share one by accident);
+  * kvKeyEpoch is a key epoch a chunk key can carry, set in one place (it or lmcache.yaml).
 */}}
 
 {{- define "glm53.need" -}}
@@ -211,6 +212,16 @@ the startup probe's budget is built on it */ -}}
 {{- end -}}
 {{- $lm = fromYaml $lmText -}}
 {{- include "glm53.need" (list (eq (toString (get $lm "remote_url")) $newUrl) (printf "configs/prefill/lmcache.yaml: could not point remote_url at namespace %q" $ns)) -}}
+{{- /* kvKeyEpoch: LMCache's kv_key_epoch (patch 0030), which every chunk key carries, written into the
+prefill engines' lmcache.yaml. "" leaves the file as it is: the image's entrypoint then gives the
+image's own epoch (imagectl/keyepoch.py); "none" writes an empty one (no epoch). */ -}}
+{{- $epoch := toString $v.kvKeyEpoch -}}
+{{- if $epoch -}}
+{{- include "glm53.need" (list (not (hasKey $lm "kv_key_epoch")) (printf "kvKeyEpoch %q: configs/prefill/lmcache.yaml sets kv_key_epoch already (%v); set the epoch in one of the two" $epoch (get $lm "kv_key_epoch"))) -}}
+{{- include "glm53.need" (list (or (eq $epoch "none") (regexMatch "^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$" $epoch)) (printf "kvKeyEpoch %q cannot be part of a chunk key: give 1 to 64 letters, digits, '.', '_', '+' or '-', starting with a letter or a digit (\"\" for the image's own, none for no epoch)" $epoch)) -}}
+{{- $lmText = printf "%s\n\n# The chart's kvKeyEpoch: LMCache's key epoch, in every chunk key (patch 0030).\nkv_key_epoch: %s\n" (trimSuffix "\n" $lmText) (toJson (ternary "" $epoch (eq $epoch "none"))) -}}
+{{- $lm = fromYaml $lmText -}}
+{{- end -}}
 {{- $size := 5.0 -}}
 {{- if hasKey $lm "max_local_cpu_size" }}{{ $size = get $lm "max_local_cpu_size" }}{{ end -}}
 {{- include "glm53.need" (list (and (or (kindIs "float64" $size) (kindIs "int64" $size)) (gt (float64 $size) 0.0)) (printf "configs/prefill/lmcache.yaml: max_local_cpu_size %v: expected a positive number of GiB" $size)) -}}
