@@ -31,6 +31,8 @@ from tests.support.ports import free_port_block
 from tests.support.valkey import start_valkey
 
 RANKS = 2
+LOOKUP_BOUND_S = 120
+REQUEST_TIMEOUT_S = LOOKUP_BOUND_S + 120.0   # above the lookup's bound: a recompute after it still answers
 
 
 def _worker_ids(valkey) -> list[int]:
@@ -60,25 +62,27 @@ def test_tp2_rank_per_valkey(engines, tiny_model, tmp_path):
         spec.lmcache_config["lookup_server_worker_ids"] = list(range(RANKS))
         # Two ranks on two cores, each pinned to one with its OpenMP threads: rank 1's
         # first GET after a restart has taken over the preset's 5 s bound here (CI,
-        # "batched_get_non_blocking timed out", then a 4 s lookup miss). This test is
-        # about which instance each rank reads, not the preset's latency budget, so it
-        # gives them 30 s: a GET that never answers still fails it.
-        spec.lmcache_config["lookup_timeout_ms"] = 30_000
-        spec.lmcache_config["blocking_timeout_secs"] = 30
+        # "batched_get_non_blocking timed out", then a 4 s lookup miss), and with a
+        # second heavy process beside the run the restarted engine's first lookup took
+        # 21 s on rank 0 and 32 s on rank 1. This test is about which instance each rank
+        # reads, not the preset's latency budget, so the bounds are bounds on a hang:
+        # a GET that never answers still fails it.
+        spec.lmcache_config["lookup_timeout_ms"] = LOOKUP_BOUND_S * 1000
+        spec.lmcache_config["blocking_timeout_secs"] = LOOKUP_BOUND_S
         first = engines.start(spec)
 
-        cold = observe(first, valkeys, PROMPT)
+        cold = observe(first, valkeys, PROMPT, timeout_s=REQUEST_TIMEOUT_S)
         assert cold.counts.stored == RANKS * STORED, cold.summary()
         assert [c.get("set") for c in cold.calls] == [CHUNKS] * RANKS, cold.summary()
         assert [_worker_ids(v) for v in valkeys] == [[r] * CHUNKS for r in range(RANKS)]
 
-        l1 = observe(first, valkeys, PROMPT)
+        l1 = observe(first, valkeys, PROMPT, timeout_s=REQUEST_TIMEOUT_S)
         assert l1.counts.retrieved == RANKS * STORED and l1.counts.stored == 0, l1.summary()
         assert all(not {"get", "set"} & set(c) for c in l1.calls), l1.summary()
         engines.stop(first)
 
         second = engines.start(spec)
-        l2 = observe(second, valkeys, PROMPT)
+        l2 = observe(second, valkeys, PROMPT, timeout_s=REQUEST_TIMEOUT_S)
         assert l2.counts.retrieved == RANKS * STORED and l2.counts.stored == 0, l2.summary()
         assert [c.get("get") for c in l2.calls] == [CHUNKS] * RANKS, l2.summary()
         same_output(l2, l1)
