@@ -42,12 +42,16 @@ BOUND_S = 3.0 * BLOCKING_TIMEOUT_S
 EXECUTOR_WORKERS = 4  # AsyncPQExecutor's default, RESPConnector's executor
 
 
-@pytest.fixture
-def env(valkey):
-    env = Env(valkey, BLOCKING_TIMEOUT_S)
+def _env(valkey, blocking_timeout_s: int):
+    env = Env(valkey, blocking_timeout_s)
     yield env
     os.kill(valkey.process.pid, signal.SIGCONT)  # if a failed test left it stopped
     env.close()
+
+
+@pytest.fixture
+def env(valkey):
+    yield from _env(valkey, BLOCKING_TIMEOUT_S)
 
 
 @contextmanager
@@ -131,10 +135,7 @@ GET_BLOCKING_TIMEOUT_S = 5
 
 @pytest.fixture
 def get_env(valkey):
-    env = Env(valkey, GET_BLOCKING_TIMEOUT_S)
-    yield env
-    os.kill(valkey.process.pid, signal.SIGCONT)  # if a failed test left it stopped
-    env.close()
+    yield from _env(valkey, GET_BLOCKING_TIMEOUT_S)
 
 
 @pytest.mark.fixes(TIMEOUT_PATCH, fails_with=r"a buffer leaked \(above\) or was freed twice")

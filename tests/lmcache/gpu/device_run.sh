@@ -226,7 +226,7 @@ mapfile -t FILES < <(grep -l 'pytest.mark.gpu' tests/lmcache/test_*.py)
 log "gpu-marked LMCache test files: ${FILES[*]}"
 PYTEST=(env PYTHONPATH="$REPO:$W/lmcache$SITE" PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 TMPDIR="$W/tmp"
         timeout "$(limit 65 10 "${TEST_TIMEOUT_S:-420}")" "$VPY" -m pytest -p no:cacheprovider
-        -p tests.lmcache.gpu.device_plugin -m gpu -rA)
+        -p tests.lmcache.gpu.device_plugin -m gpu -q -rA)
 [ "$REHEARSAL" = 1 ] || PYTEST+=(--device-require-gpu)
 step test "${PYTEST[@]}" --junitxml "$DETAILS/junit.xml" "${FILES[@]}" < /dev/null
 test_rc=$?
@@ -246,7 +246,7 @@ if [ -d "$BUNDLE/leaveout" ]; then
     echo "without $patch: $(find "$BUNDLE/leaveout/lmcache" -name '*.py' | wc -l) files replaced, $(grep -c . "$BUNDLE/leaveout/DELETE") removed"
     env PYTHONPATH="$REPO:$W/without$SITE" DIST_LMCACHE_TREE="without:$patch" PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1 \
       TMPDIR="$W/tmp" timeout "$(limit 100 10 "${TEST_TIMEOUT_S:-420}")" "$VPY" -m pytest -p no:cacheprovider \
-      -p tests.lmcache.gpu.device_plugin "${LEAVEOUT_GPU[@]}" -m gpu -rA --junitxml "$DETAILS/junit-leaveout.xml" "${FILES[@]}"
+      -p tests.lmcache.gpu.device_plugin "${LEAVEOUT_GPU[@]}" -m gpu -q -rA --junitxml "$DETAILS/junit-leaveout.xml" "${FILES[@]}"
   }
   step leaveout leaveout < /dev/null || test_rc=1
 fi
