@@ -75,6 +75,26 @@ def test_an_identical_run_is_read_back_and_a_changed_tree_runs_again(lmcache_lik
     assert sorted(_ran(work)) == ["new", "up"] and set(third.reused) == {"pristine"}
 
 
+def test_a_miss_names_the_input_that_moved(lmcache_like, tmp_path, capsys):
+    """A run of a kept tree that reruns says which of its inputs differs from the kept run's: here
+    one more distribution on the patched run's path."""
+    work, store = tmp_path / "work", peerstore.PeerStore(tmp_path / "store")
+    _run(lmcache_like, work, store)
+    _ran(work)
+    site = tmp_path / "site"
+    (site / "probe_dist-1.2.dist-info").mkdir(parents=True)
+    (site / "probe_dist-1.2.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: probe-dist\n"
+                                                                 "Version: 1.2\n")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "RAN_LOG": str(work / "ran.log")}
+    capsys.readouterr()
+    rerun = testrun.run_peer_suite(Path(sys.executable), work, lmcache_like, ["tests"], env,
+                                   {**env, "PYTHONPATH": str(site)}, store)
+    assert _ran(work) == ["up"] and set(rerun.reused) == {"pristine"}
+    out = capsys.readouterr().out
+    assert "patched: no kept result to reuse: the kept run of tree" in out, out
+    assert "differs in distributions: kept nothing else; now probe-dist==1.2" in out, out
+
+
 def test_a_patched_run_with_a_regression_is_not_kept(lmcache_like, tmp_path):
     work, store = tmp_path / "work", peerstore.PeerStore(tmp_path / "store")
     _commit(lmcache_like, {"tests/test_up.py": TEST_FILE.format(name="up", label="broken", ok="False")}, "breaks")

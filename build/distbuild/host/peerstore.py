@@ -77,10 +77,31 @@ def valkey_version(valkey_server: Path) -> str:
     return done.stdout.strip()
 
 
+def run_inputs(tree_hash: str, args: list[str], dists: str, valkey: str) -> dict:
+    """What a run is a function of, as its key hashes it and ``about.json`` keeps it."""
+    return {"format": FORMAT, "tree": tree_hash, "args": args, "distributions": dists, "valkey": valkey}
+
+
 def run_key(tree_hash: str, args: list[str], dists: str, valkey: str) -> str:
-    material = json.dumps({"format": FORMAT, "tree": tree_hash, "args": args, "distributions": dists,
-                           "valkey": valkey}, sort_keys=True)
+    material = json.dumps(run_inputs(tree_hash, args, dists, valkey), sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()
+
+
+def inputs_differences(kept: dict, wanted: dict) -> list[str]:
+    """What differs between two runs' inputs, one line per input; distributions line by line."""
+    lines = []
+    for name in sorted(set(kept) | set(wanted)):
+        old, new = kept.get(name), wanted.get(name)
+        if old == new:
+            continue
+        if name == "distributions" and isinstance(old, str) and isinstance(new, str):
+            gone = sorted(set(old.splitlines()) - set(new.splitlines()))
+            added = sorted(set(new.splitlines()) - set(old.splitlines()))
+            lines.append(f"distributions: kept {', '.join(gone) or 'nothing else'}; "
+                         f"now {', '.join(added) or 'nothing else'}")
+        else:
+            lines.append(f"{name}: kept {old!r}; now {new!r}")
+    return lines
 
 
 def tree_hash(tree: Path, rev: str) -> str:
@@ -107,15 +128,34 @@ class PeerStore:
         shutil.copyfile(kept, junit)
         return Reused(about["run_at"], about["tree"])
 
-    def keep(self, key: str, junit: Path, tree: str) -> None:
-        """Keep ``junit`` under ``key``, written whole or not at all."""
+    def keep(self, key: str, junit: Path, tree: str, inputs: dict | None = None) -> None:
+        """Keep ``junit`` under ``key`` with the ``inputs`` it is a function of, written whole or not at all."""
         folder = self.root / key
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         shutil.copyfile(junit, partial / "junit.xml")
         about = {"tree": tree, "run_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "junit_sha256": hashlib.sha256(junit.read_bytes()).hexdigest()}
+                 "junit_sha256": hashlib.sha256(junit.read_bytes()).hexdigest(),
+                 **({"inputs": inputs} if inputs is not None else {})}
         (partial / "about.json").write_text(json.dumps(about, indent=1) + "\n")
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(partial, folder)
+
+    def why_missed(self, inputs: dict) -> str:
+        """Why no kept run matches ``inputs``: how the newest kept run of the same tree differs, so a
+        run that did not read back what an earlier one kept says which input moved."""
+        same_tree = []
+        for about_file in self.root.glob("*/about.json"):
+            try:
+                about = json.loads(about_file.read_text())
+            except (OSError, ValueError):
+                continue
+            if about.get("tree") == inputs.get("tree") and isinstance(about.get("inputs"), dict):
+                same_tree.append(about)
+        if not same_tree:
+            return f"no kept run of tree {str(inputs.get('tree'))[:12]}"
+        newest = max(same_tree, key=lambda about: about.get("run_at", ""))
+        differences = inputs_differences(newest["inputs"], inputs)
+        return (f"the kept run of tree {str(inputs.get('tree'))[:12]} (run {newest.get('run_at')}) differs in "
+                + "; ".join(differences or ["nothing recorded (an older format?)"]))

@@ -495,12 +495,15 @@ class PeerJob:
     log: Path
     key: str = ""
     tree: str = ""
+    inputs: dict = field(default_factory=dict)
 
 
 def _peer_job_keys(jobs: list[PeerJob], python: Path, tree: Path, valkey: str) -> None:
     for job in jobs:
         job.tree = peerstore.tree_hash(tree, job.rev)
-        job.key = peerstore.run_key(job.tree, job.args, peerstore.distributions(python, job.env), valkey)
+        dists = peerstore.distributions(python, job.env)
+        job.inputs = peerstore.run_inputs(job.tree, job.args, dists, valkey)
+        job.key = peerstore.run_key(job.tree, job.args, dists, valkey)
 
 
 def _run_peer_job(python: Path, work: Path, tree: Path, job: PeerJob, services: dict[str, str],
@@ -510,6 +513,8 @@ def _run_peer_job(python: Path, work: Path, tree: Path, job: PeerJob, services: 
     reused = store.lookup(job.key, job.junit) if store is not None and not peerstore.fresh_requested() else None
     label = f"phase 4/4: LMCache's own CPU tests, {job.name} LMCache"
     if reused is None:
+        if store is not None and job.inputs:
+            print(f"phase 4/4: {job.name}: no kept result to reuse: {store.why_missed(job.inputs)}", flush=True)
         outcome = run_pytest(python, job.args, tests_dir, job.junit,
                              {**job.env, **services, "TMPDIR": job_tmp(work, f"phase-4-{job.name}")}, label, job.log)
         return outcome, tests_dir, None
@@ -528,10 +533,10 @@ def _keep_peer_results(store: peerstore.PeerStore | None, pristine_job: PeerJob,
     if store is None:
         return
     if "pristine" not in reused and pristine.returncode in (0, 1) and pristine.passed:
-        store.keep(pristine_job.key, pristine_job.junit, pristine_job.tree)
+        store.keep(pristine_job.key, pristine_job.junit, pristine_job.tree, pristine_job.inputs)
     if ("patched" not in reused and patched.returncode in (0, 1) and not pristine.passed - patched.passed
             and not added_failed(patched, added)):
-        store.keep(patched_job.key, patched_job.junit, patched_job.tree)
+        store.keep(patched_job.key, patched_job.junit, patched_job.tree, patched_job.inputs)
 
 
 def run_peer_suite(python: Path, work: Path, tree: Path, args: list[str],
