@@ -98,7 +98,7 @@ def test_phase_4_names_a_regression_and_the_log_that_shows_it(tmp_path, capsys):
     problems = testrun.judge_peer(run, tmp_path)
     assert len(problems) == 1 and "1 upstream test(s)" in problems[0] and "tests.b::t" in problems[0]
     assert str(tmp_path / "logs" / "phase-4-patched.log") in problems[0]
-    assert "ran beside phases 2 and 3, 1.5 min" in capsys.readouterr().out
+    assert "ran beside phases 1 to 3, 1.5 min" in capsys.readouterr().out
     assert (tmp_path / "test-results" / "peer-pristine-passed.txt").read_text() == "tests.a::t\ntests.b::t\n"
 
 

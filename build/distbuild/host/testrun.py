@@ -16,9 +16,12 @@ Phases:
 4. ``peer``: LMCache's own CPU tests listed in ``tests/peer/suite.txt``,
    against a real Valkey, first with the pristine build, then with the
    patched build (plus the upstream-style test files the series adds); every
-   test that passes on pristine must pass on patched. It runs beside phases
-   2 and 3 (all three mostly wait on servers and timeouts), its output in
-   ``work/logs/phase-4-*.log``.
+   test that passes on pristine must pass on patched. It starts with phase 1
+   and runs beside phases 1 to 3, its output in ``work/logs/phase-4-*.log``:
+   phase 1 is one pytest run that leaves part of two cores idle while it
+   waits on engines and servers, where phases 2 and 3 already run three
+   pytest runs side by side, so a phase 4 that cannot be read back from its
+   store (the series changed) costs the least beside phase 1.
 
 Phase 2b, beside phases 2 and 3 too: each LMCache series forwarded to a newer
 release (``patches/lmcache-<version>/``) by one proof per pull request, on that
@@ -543,11 +546,11 @@ def run_peer_suite(python: Path, work: Path, tree: Path, args: list[str],
                    pristine_env: dict[str, str], patched_env: dict[str, str],
                    store: peerstore.PeerStore | None = None) -> PeerRun:
     """Phase 4: LMCache's own CPU tests on the pristine build, then on the patched build with the test
-    files the series adds. Its output goes to logs: it runs beside phases 2 and 3. A run whose inputs
+    files the series adds. Its output goes to logs: it runs beside phases 1 to 3. A run whose inputs
     did not change since one kept in ``store`` is read from it (peerstore.py)."""
     junit, logs = work / "test-results", work / "logs"
     t0 = time.monotonic()
-    print(f"\n=== phase 4/4: LMCache's own CPU tests, beside phases 2 and 3 (logs: {logs}/phase-4-*.log)",
+    print(f"\n=== phase 4/4: LMCache's own CPU tests, beside phases 1 to 3 (logs: {logs}/phase-4-*.log)",
           flush=True)
     added = series_test_files(tree)
     pristine_job = PeerJob("pristine", PRISTINE_REF, args, pristine_env, junit / "peer-pristine.xml",
@@ -595,7 +598,7 @@ def judge_peer(run: PeerRun, work: Path) -> list[str]:
     if ours_failed:
         problems.append(f"phase 4: {len(ours_failed)} test(s) the series adds to LMCache's tests/ fail on "
                         "patched: " + ", ".join(ours_failed[:10]) + f" (log: {work / 'logs' / 'phase-4-patched.log'})")
-    print(f"\n=== phase 4/4 (ran beside phases 2 and 3, {run.seconds / 60:.1f} min): {len(base.passed)} passed on "
+    print(f"\n=== phase 4/4 (ran beside phases 1 to 3, {run.seconds / 60:.1f} min): {len(base.passed)} passed on "
           f"pristine ({len(base.failed)} failed, {len(base.skipped)} skipped; list in {record}); "
           f"{len(base.passed & peer.passed)} of those pass on patched; patched adds "
           f"{len(peer.passed - base.passed)} passing test(s) from {len(run.added)} new file(s)", flush=True)
@@ -658,8 +661,8 @@ class _Phases:
         self.problems.extend(patched_problems(patched))
 
     def start_peer_suite(self, peer: bool) -> concurrent.futures.Future[PeerRun] | None:
-        """Phase 4 in a thread of its own, beside phases 2 and 3: all of them mostly wait on servers and
-        timeouts. None when it does not run (its reason is a problem)."""
+        """Phase 4 in a thread of its own, beside phases 1 to 3 (see the module's docstring). None when it
+        does not run (its reason is a problem)."""
         suite = read_list(self.repo / "tests" / "peer" / "suite.txt")
         peer_future: concurrent.futures.Future[PeerRun] | None = None
         peer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -766,7 +769,8 @@ class _Phases:
         passed, failed, skipped = self.totals()
         proofs = results["pristine"]
         left = results.get("leave-one-out", Outcome())
-        timed = ", ".join(f"phase {n} {t / 60:.1f} min" + (" beside 2+3" if n in ("2b", "4") else "")
+        beside = {"2b": " beside 2+3", "4": " beside 1-3"}
+        timed = ", ".join(f"phase {n} {t / 60:.1f} min" + beside.get(n, "")
                           for n, t in self.seconds.items())
         print(f"\nsummary ({timed}; {(time.monotonic() - started) / 60:.1f} min in all):")
         print(f"  phase 1 project tests (patched): {len(results['patched'].passed)} passed, "
@@ -817,8 +821,8 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
     phases = _Phases(repo, work, python, tree, envs, extra_env, paths, [a for a in pytest_args if a != "--"],
                      patched_env, pristine_env, problems, peer_store=peer_store)
     started = time.monotonic()
-    phases.run_phase_1()
     peer_future = phases.start_peer_suite(peer)
+    phases.run_phase_1()
     forward_future = phases.start_forward(forward)
     proofs = phases.run_phases_2_and_3(leave_one_out)
     phases.judge_phase_2(proofs)
