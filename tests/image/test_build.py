@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from distbuild.host import baseimage, engine as engine_step
+from distbuild.host import baseimage, engine as engine_step, image
 from distbuild.errors import DistBuildError
 
 from .conftest import REPO
@@ -95,9 +95,13 @@ def test_a_patch_that_does_not_apply_stops_the_build_naming_it(engine: engine_st
     assert lines[first_context].startswith(" "), lines[first_context]
     lines[first_context] = " // a line upstream does not have\n"
     patch.write_text("".join(lines))
-    # The copy has no git history to take SOURCE_DATE_EPOCH from.
-    result = distbuild("--work", str(tmp_path / "work"), "image", "--target", "sources", repo=root,
-                       SOURCE_DATE_EPOCH="1796134375")
+    # The copy has no git history to take the epochs from: it gets the repository's own, base and
+    # stages, so every stage before sources is the cached one and the base is not made again (a
+    # made-up epoch cost a debootstrap here and retagged the base, so the next build made it again).
+    base = baseimage.ensure_base(engine, tmp_path / "base", lock=REPO / "build" / "lock" / "debian.txt",
+                                 epoch=image.input_epoch(REPO, image.BASE_INPUTS, in_build_context=False))
+    result = distbuild("--work", str(tmp_path / "work"), "image", "--target", "sources", "--base-image", base,
+                       repo=root, SOURCE_DATE_EPOCH=str(image.input_epoch(REPO, image.BUILD_INPUTS)))
     output = result.stdout + result.stderr
     skip_if_debian_lock_stale(output)
     assert result.returncode != 0
