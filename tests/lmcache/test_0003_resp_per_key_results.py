@@ -60,7 +60,7 @@ def _torch():
 class Env:
     """A RemoteBackend on resp://, its event loop thread and its allocator."""
 
-    def __init__(self, valkey, blocking_timeout_secs: int):
+    def __init__(self, valkey, blocking_timeout_secs: int, caller_timeout_secs: int | None = None):
         torch = _torch()
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.memory_allocators.pin_memory_allocator import PinMemoryAllocator
@@ -98,6 +98,13 @@ class Env:
         self.local = LocalCPUBackend(self.config, self.metadata, memory_allocator=self.allocator)
         self.backend = RemoteBackend(self.config, self.metadata, self.loop, self.local)
         assert self.backend.connection is not None, "no RESP connection"
+        if caller_timeout_secs is not None:
+            # The connector took its native workers' bound (0024: twice blocking_timeout_secs)
+            # when it was made; RemoteBackend reads the caller's bound from the config on every
+            # GET. Lowering it now gives a caller that always gives up long before the native
+            # workers could, however late a loaded host runs it: a configuration forced for the
+            # interleaving, the code under test untouched.
+            self.config.blocking_timeout_secs = caller_timeout_secs
         self.baseline = self.usage()
 
     def key(self, i: int):
@@ -163,8 +170,8 @@ async def _close_without_the_close_patch(remote) -> None:
 def make_env(valkey):
     envs: list[Env] = []
 
-    def make(blocking_timeout_secs: int = 3) -> Env:
-        env = Env(valkey, blocking_timeout_secs)
+    def make(blocking_timeout_secs: int = 3, caller_timeout_secs: int | None = None) -> Env:
+        env = Env(valkey, blocking_timeout_secs, caller_timeout_secs)
         envs.append(env)
         return env
 
@@ -284,14 +291,14 @@ def paused(valkey, native_timeout_s: float):
 @pytest.mark.fixes(TIMEOUT_PATCH, fails_with=r"a buffer leaked \(above\) or was freed twice")
 @pytest.mark.parametrize("path", ["blocking", "non-blocking"])
 def test_timed_out_get_frees_its_buffers_only_once_the_native_get_completes(make_env, path):
-    # An int in LMCache config: the caller gives up after it, the native workers (0024) after
-    # twice it. The margin between the two is how late a caller may return on a loaded host.
-    blocking_timeout_secs = 6
-    env = make_env(blocking_timeout_secs=blocking_timeout_secs)
+    # The caller gives up after 2 s, the native workers (0024) only after 60 s: the margin
+    # between the two is how late a caller may return on a loaded host (Env).
+    native_timeout_s = 60
+    env = make_env(blocking_timeout_secs=native_timeout_s // 2, caller_timeout_secs=2)
     for i in range(3):
         env.store(i)
     keys = [env.key(i) for i in range(3)]
-    with paused(env.valkey, 2 * blocking_timeout_secs) as pause_ends:  # the GETs wait in the server
+    with paused(env.valkey, native_timeout_s) as pause_ends:  # the GETs wait in the server
         if path == "blocking":
             loaded = call_bounded(lambda: env.backend.batched_get_blocking(keys))
             assert loaded == [None, None, None]
@@ -318,13 +325,15 @@ def test_timed_out_get_frees_its_buffers_only_once_the_native_get_completes(make
 def test_timed_out_gets_do_not_use_up_the_connector(make_env):
     # RESPConnector runs loads on an executor of 4 workers. A caller that
     # times out must not take a worker down with it when the load finishes.
-    # The caller gives up after 2 s; the native workers (0024) after 4 s, the margin a late
-    # caller has on a loaded host before the pause must end.
-    blocking_timeout_secs = 2
-    env = make_env(blocking_timeout_secs=blocking_timeout_secs)
+    # The caller gives up after 2 s; the native workers (0024) only after 60 s, so every load
+    # ends after its caller gave up, when the pause ends. With the native bound at twice the
+    # caller's (4 s), a caller run 2 s late on a loaded host saw its load fail first: that
+    # load's worker lived, the connector still loaded, and the proof failed for another reason.
+    native_timeout_s = 60
+    env = make_env(blocking_timeout_secs=native_timeout_s // 2, caller_timeout_secs=2)
     stored = env.store(0)
     for _ in range(4):
-        with paused(env.valkey, 2 * blocking_timeout_secs):
+        with paused(env.valkey, native_timeout_s):
             assert call_bounded(lambda: env.backend.get_blocking(env.key(0))) is None
         time.sleep(1.0)  # the server answers, the abandoned load ends
 
