@@ -200,6 +200,11 @@ def _patched_environ(values: dict[str, str], drop_prefix: str | None = None) -> 
 
 
 def _type_name(tp: Any) -> str:
+    """A declared type as a user reads it: ``Optional[str]`` is "str or None", not "Optional"."""
+    if typing.get_origin(tp) is typing.Union:
+        return " or ".join("None" if arg is type(None) else _type_name(arg) for arg in typing.get_args(tp))
+    if typing.get_origin(tp) is not None:
+        return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -277,7 +282,7 @@ def check_lmcache_file(path: str | os.PathLike, env_file: str | os.PathLike | No
                               + " (add it to EXTRA_CONFIG_KEYS in configs/validate.py with its source)")
         declared, _ = EXTRA_CONFIG_KEYS[key]
         if not _matches(value, declared):
-            raise ConfigError(path, f"extra_config.{key}", f"expected {declared.__name__}, got "
+            raise ConfigError(path, f"extra_config.{key}", f"expected {_type_name(declared)}, got "
                               f"{type(value).__name__} {value!r}")
     if isinstance(data.get("remote_url"), str):
         check_remote_url(path, data["remote_url"])

@@ -59,7 +59,7 @@ BROKEN = {
     "deprecated-alias": (("", "\ncontroller_url: tcp://127.0.0.1:1\n"), "controller_url", "controller_pull_url"),
     "lmcache-validate": (("", "\nmin_retrieve_tokens: -1\n"), "min_retrieve_tokens", "must be >= 0"),
     "key-epoch": (("", "\nkv_key_epoch: cell@a\n"), "kv_key_epoch", "'cell@a' cannot be part of a chunk key"),
-    "key-epoch-type": (("", "\nkv_key_epoch: 2026\n"), "kv_key_epoch", "got int 2026"),
+    "key-epoch-type": (("", "\nkv_key_epoch: 2026\n"), "kv_key_epoch", "expected str or None, got int 2026"),
 }
 
 
