@@ -1,4 +1,4 @@
-"""Fixtures of the operator tools' tests: the tools' package on sys.path, a fake engine."""
+"""Fixtures of the operator tools' tests: the tools' package and the build tool's on sys.path, a fake engine."""
 from __future__ import annotations
 
 import sys
@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
+BUILD = Path(__file__).resolve().parents[2] / "build"  # distbuild.paths: where downloads are kept
+for folder in (SCRIPTS, BUILD):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 from tests.ops.fake_engine import FakeEngine  # noqa: E402
 

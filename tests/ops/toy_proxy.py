@@ -2,8 +2,9 @@
 
 The proxy is ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``
 of the pinned vLLM sdist (the file the image carries as
-``/opt/glm53/pd-proxy/toy_proxy_server.py``), taken from the sdist in
-``work/cache`` with its sha256 checked against ``build/pins.toml``. It
+``/opt/glm53/pd-proxy/toy_proxy_server.py``), taken from the sdist where the
+build tool keeps its downloads (``$DIST_CACHE_DIR/downloads``, else
+``work/cache``) with its sha256 checked against ``build/pins.toml``. It
 sends each completion to a prefiller (``stream: false``, ``max_tokens: 1``),
 then streams the decoder's answer back with ``media_type="application/json"``.
 It needs fastapi, httpx and uvicorn (LMCache's requirements: in the test
@@ -22,6 +23,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from distbuild.paths import Layout
+
 REPO = Path(__file__).resolve().parents[2]
 MEMBER = "tests/v1/kv_connector/nixl_integration/toy_proxy_server.py"
 
@@ -30,7 +33,7 @@ def _vllm_sdist() -> tuple[Path, str]:
     pins = tomllib.loads((REPO / "build" / "pins.toml").read_text())
     for artifact in pins.get("artifact", []):
         if artifact.get("upstream") == "vllm" and artifact.get("kind") == "sdist":
-            return REPO / "work" / "cache" / artifact["filename"], artifact["sha256"]
+            return Layout.default(repo=REPO).cache / artifact["filename"], artifact["sha256"]
     raise LookupError(f"{REPO / 'build' / 'pins.toml'}: no vllm sdist artifact")
 
 
