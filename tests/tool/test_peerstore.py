@@ -125,6 +125,10 @@ def test_a_damaged_kept_result_is_not_read(tmp_path):
     (tmp_path / "store" / "k" / "junit.xml").write_text("<testsuites/>")
     assert store.lookup("k", tmp_path / "copy2.xml") is None and not (tmp_path / "copy2.xml").exists()
     assert store.lookup("absent", tmp_path / "copy3.xml") is None
+    inputs = peerstore.run_inputs(**BASE_KEY)
+    store.keep(peerstore.inputs_key(inputs), junit, "t", inputs)
+    (tmp_path / "store" / peerstore.inputs_key(inputs) / "junit.xml").write_text("<testsuites/>")
+    assert "has a damaged or missing junit file" in store.why_missed(inputs)
 
 
 BASE_KEY = {"tree_hash": "t", "args": ["tests"], "dists": "3.11\nlmcache==0.5.5", "valkey": "Valkey 8"}

@@ -6,8 +6,8 @@ pytest arguments, the interpreter and every distribution it imports (name and ve
 with the run's own environment, so the pristine build on ``PYTHONPATH`` counts), and the Valkey
 it talks to. Those, hashed, are a run's key; its junit file is kept under that key. The pristine
 run's key changes only with the pins, the patched run's with the series, so most ``make test``
-runs read both from the store instead of spending ten minutes of the phase's CPU beside phases
-2 and 3 (the way Bazel caches a test whose inputs did not change).
+runs read both from the store instead of spending ten minutes of CPU beside the other phases
+(the way Bazel caches a test whose inputs did not change).
 
 What is kept: a pristine run that completed (with or without failures: it is the baseline), and
 a patched run only when it showed no regression against its pristine baseline and no failure in
@@ -83,8 +83,11 @@ def run_inputs(tree_hash: str, args: list[str], dists: str, valkey: str) -> dict
 
 
 def run_key(tree_hash: str, args: list[str], dists: str, valkey: str) -> str:
-    material = json.dumps(run_inputs(tree_hash, args, dists, valkey), sort_keys=True)
-    return hashlib.sha256(material.encode()).hexdigest()
+    return inputs_key(run_inputs(tree_hash, args, dists, valkey))
+
+
+def inputs_key(inputs: dict) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
 def inputs_differences(kept: dict, wanted: dict) -> list[str]:
@@ -157,5 +160,7 @@ class PeerStore:
             return f"no kept run of tree {str(inputs.get('tree'))[:12]}"
         newest = max(same_tree, key=lambda about: about.get("run_at", ""))
         differences = inputs_differences(newest["inputs"], inputs)
+        if not differences:
+            return f"the kept run of these inputs (run {newest.get('run_at')}) has a damaged or missing junit file"
         return (f"the kept run of tree {str(inputs.get('tree'))[:12]} (run {newest.get('run_at')}) differs in "
-                + "; ".join(differences or ["nothing recorded (an older format?)"]))
+                + "; ".join(differences))

@@ -506,7 +506,7 @@ def _peer_job_keys(jobs: list[PeerJob], python: Path, tree: Path, valkey: str) -
         job.tree = peerstore.tree_hash(tree, job.rev)
         dists = peerstore.distributions(python, job.env)
         job.inputs = peerstore.run_inputs(job.tree, job.args, dists, valkey)
-        job.key = peerstore.run_key(job.tree, job.args, dists, valkey)
+        job.key = peerstore.inputs_key(job.inputs)
 
 
 def _run_peer_job(python: Path, work: Path, tree: Path, job: PeerJob, services: dict[str, str],
