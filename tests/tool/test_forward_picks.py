@@ -199,6 +199,6 @@ def test_phase_2b_is_in_the_summary_and_its_problems_fail_the_run(tmp_path, caps
     phases.take_forward(future.result())
     phases.print_summary(0.0)
     out = capsys.readouterr().out
-    assert "phase 2b 1.5 min beside 2+3" in out and "\n  phase 2b: the 9.9 series: 7 PRs, ...\n" in out
+    assert "phase 2b 1.5 min beside 3" in out and "\n  phase 2b: the 9.9 series: 7 PRs, ...\n" in out
     assert "phase 2b 9.9 series: t::slow" in out and "FAILED phase 2b: LMCache 9.9: PR 3: t failed" in out
     assert out.rstrip().endswith("test: 13 passed, 1 failed, 0 skipped")

@@ -140,7 +140,7 @@ def test_pins(gpu):
 
 
 def test_a_collection_writes_which_files_hold_each_patch_proofs(pytester, monkeypatch, tmp_path):
-    # Phase 1 writes it; phase 3 then collects only these files per variant (testrun.read_proof_map).
+    # Phase 2 writes it; phase 3 then collects only these files per variant (testrun.read_proof_map).
     import json
 
     proof_map = tmp_path / "proof-map.json"

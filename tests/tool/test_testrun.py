@@ -148,3 +148,63 @@ def test_reruns_count_real_pytest_passes_of_each_node_alone(tmp_path):
     passes = testrun.rerun_regressed(Path(sys.executable), {"tests.test_r::test_steady", "tests.test_r::test_once"},
                                      tmp_path, tmp_path / "rerun.xml", env, tmp_path / "logs" / "rerun.log")
     assert passes == {"tests.test_r::test_steady": testrun.PEER_RERUNS, "tests.test_r::test_once": 1}
+
+
+@pytest.mark.parametrize("raw", ["-1", "4", "one"])
+def test_bad_beside_phase_1_value_names_the_variable_and_the_range(monkeypatch, raw):
+    monkeypatch.setenv(testrun.BESIDE_PHASE_1_ENV, raw)
+    expected = rf"{testrun.BESIDE_PHASE_1_ENV}='{raw}': .*from 0 to {testrun.JOBS_ENV} \(3\)"
+    with pytest.raises(DistBuildError, match=expected):
+        testrun.jobs_beside_phase_1(3)
+
+
+def test_runs_beside_phase_1_wait_for_a_slot_and_all_go_once_the_slots_widen():
+    """One slot while phase 1 runs: a second run waits until the slots widen (phase 1's end), then both
+    run at once. Events, not sleeps, say what ran."""
+    import concurrent.futures
+    import threading
+
+    slots = testrun.Slots(1)
+    started = [threading.Event(), threading.Event()]
+    release = threading.Event()
+
+    def run(number: int) -> int:
+        started[number].set()
+        assert release.wait(30), "the test's own release never came"
+        return number
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        slotted = testrun.SlottedPool(pool, slots)
+        first, second = slotted.submit(run, 0), slotted.submit(run, 1)
+        assert started[0].wait(30)
+        assert not started[1].wait(0.5), "a second run started while only one slot was open"
+        slots.widen(3)
+        assert started[1].wait(30), "the second run did not start once the slots widened"
+        release.set()
+        assert (first.result(30), second.result(30)) == (0, 1)
+
+
+def test_lines_beside_phase_1_are_held_until_it_ends_then_printed_in_order(capsys):
+    lines = testrun.HeldLines()
+    lines.say("variant 1: failed for its stated reason")
+    lines.say("variant 2: failed for its stated reason")
+    assert capsys.readouterr().out == ""
+    lines.release()
+    lines.say("variant 3: failed for its stated reason")
+    assert capsys.readouterr().out.splitlines() == [f"variant {n}: failed for its stated reason" for n in (1, 2, 3)]
+
+
+def test_phase_3_waits_for_the_proof_map_phase_2_writes_or_for_phase_2_to_end(tmp_path):
+    import concurrent.futures
+    import json
+
+    path = tmp_path / "proof-map.json"
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        def collect() -> None:
+            path.write_text(json.dumps({"0001-x.patch": ["tests/lmcache/test_x.py"]}))
+        writer = pool.submit(collect)
+        assert testrun.wait_for_proof_map(path, writer) == {"0001-x.patch": ["tests/lmcache/test_x.py"]}
+        path.unlink()
+        ended = pool.submit(lambda: None)
+        ended.result()
+        assert testrun.wait_for_proof_map(path, ended) == {}

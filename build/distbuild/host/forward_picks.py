@@ -2,7 +2,7 @@
 
 ``make forward UPSTREAM=lmcache==<version>`` proves a series forwarded to a newer release
 (``patches/lmcache-<version>/``) whole, in about half an hour (forward_lmcache.py). make test runs
-its slimmest form, beside phases 2 and 3, for each such folder with a ``make-test-picks`` file (one
+its slimmest form, beside phase 3, for each such folder with a ``make-test-picks`` file (one
 proof per pull request of docs/pr-map.md, with why it was picked) and a pin in build/forward.toml:
 
 1. the release's sdist, fetched and verified as make forward fetches it, unpacked as the pristine

@@ -17,13 +17,19 @@ Phases:
    against a real Valkey, first with the pristine build, then with the
    patched build (plus the upstream-style test files the series adds); every
    test that passes on pristine must pass on patched. It starts with phase 1
-   and runs beside phases 1 to 3, its output in ``work/logs/phase-4-*.log``:
-   phase 1 is one pytest run that leaves part of two cores idle while it
-   waits on engines and servers, where phases 2 and 3 already run three
-   pytest runs side by side, so a phase 4 that cannot be read back from its
-   store (the series changed) costs the least beside phase 1.
+   and runs beside phases 1 to 3, its output in ``work/logs/phase-4-*.log``.
 
-Phase 2b, beside phases 2 and 3 too: each LMCache series forwarded to a newer
+Phase 1 is one pytest run that leaves about one of two cores idle while it
+waits on engines and servers, and the proofs of phases 2 and 3 mostly wait on
+timeouts, stopped servers and engine starts. So phases 2 and 3 start with
+phase 1 too, in one pool of pytest runs: ``DIST_TEST_JOBS_BESIDE_PHASE_1`` of
+them (default 1) while phase 1 runs, ``DIST_TEST_JOBS`` (default 3) once it has
+ended. Phase 2 collects every test first and writes which files hold each
+patch's proofs (``proof-map.json``), which phase 3's variants wait for; their
+lines are held until phase 1 has printed its own. A phase 4 that cannot be
+read back from its store (the series changed) starts beside phase 1 as well.
+
+Phase 2b, once phase 1 has ended: each LMCache series forwarded to a newer
 release (``patches/lmcache-<version>/``) by one proof per pull request, on that
 release's pristine build and on the series' (``forward_picks.py``).
 
@@ -40,6 +46,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
@@ -63,6 +70,11 @@ JOBS_ENV = "DIST_TEST_JOBS"
 # Phase 2 is one long run (about 15 minutes) that holds a slot from the start: with two slots the
 # leave-one-out variants ran one at a time beside it, and phase 3 took 23 minutes of a 48-minute run.
 DEFAULT_JOBS = 3
+# While phase 1 runs: one run of phases 2 and 3 beside it. An idle phase 1 kept the load average at
+# 0.9-1.1 on two cores; two pytest runs of phase 1 side by side (a load of 8-11 with nvcc compiles and
+# image builds) took longer in all than one.
+BESIDE_PHASE_1_ENV = "DIST_TEST_JOBS_BESIDE_PHASE_1"
+DEFAULT_BESIDE_PHASE_1 = 1
 
 
 @dataclass
@@ -77,7 +89,7 @@ class Outcome:
 
 @dataclass
 class SideRun:
-    """A check that runs beside phases 2 and 3 (phase 2b, host/forward_picks.py): its summary lines, its
+    """A check that runs beside phase 3 (phase 2b, host/forward_picks.py): its summary lines, its
     problems, its minutes, its pytest outcomes (for the slowest tests), its checks passed and failed, and
     the lines that say what it ran."""
     summary: list[str]
@@ -270,15 +282,99 @@ def leave_one_out_jobs() -> int:
     return jobs
 
 
+def jobs_beside_phase_1(jobs: int) -> int:
+    """How many runs of phases 2 and 3 go beside phase 1 (DIST_TEST_JOBS_BESIDE_PHASE_1, default 1; 0:
+    they wait for phase 1 to end), at most ``jobs``."""
+    raw = os.environ.get(BESIDE_PHASE_1_ENV, str(DEFAULT_BESIDE_PHASE_1))
+    try:
+        beside = int(raw)
+    except ValueError:
+        beside = -1
+    if not 0 <= beside <= jobs:
+        raise DistBuildError(f"{BESIDE_PHASE_1_ENV}={raw!r}: expected a whole number from 0 to "
+                             f"{JOBS_ENV} ({jobs})")
+    return beside
+
+
+class Slots:
+    """How many of a pool's runs may go at once, a number that can grow while they wait (phase 1's end)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._running = 0
+        self._changed = threading.Condition()
+
+    def widen(self, limit: int) -> None:
+        with self._changed:
+            self._limit = max(self._limit, limit)
+            self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: self._running < self._limit)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._running -= 1
+                self._changed.notify_all()
+
+
+class SlottedPool(concurrent.futures.Executor):
+    """A thread pool whose jobs each take one of ``slots`` before they run."""
+
+    def __init__(self, pool: concurrent.futures.Executor, slots: Slots) -> None:
+        self._pool = pool
+        self._slots = slots
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        def in_slot():
+            with self._slots.slot():
+                return fn(*args, **kwargs)
+        return self._pool.submit(in_slot)
+
+
+class HeldLines:
+    """Lines printed by runs beside phase 1, held until phase 1 has printed its own (its pytest writes
+    to the same stdout), then printed as they come."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[str] | None = []
+
+    def say(self, text: str) -> None:
+        with self._lock:
+            if self._held is None:
+                print(text, flush=True)
+            else:
+                self._held.append(text)
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held or [], None
+            for text in held:
+                print(text, flush=True)
+
+
+def wait_for_proof_map(path: Path, writer: concurrent.futures.Future) -> dict[str, list[str]]:
+    """The proof map once the run that writes it (phase 2's collection) has written it; {} if that run
+    ended without writing one (then each variant collects every test)."""
+    while not path.is_file() and not writer.done():
+        time.sleep(1)
+    return read_proof_map(path)
+
+
 def read_proof_map(path: Path) -> dict[str, list[str]]:
-    """{variant: test files holding its proofs}, as tests/conftest.py wrote it in phase 1 (a variant is a
+    """{variant: test files holding its proofs}, as tests/conftest.py wrote it in phase 2 (a variant is a
     patch file, or ``<patch file>:<part>`` for the proofs of one part of it); {} if absent."""
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise DistBuildError(f"{path}: not the proof map phase 1 writes ({exc})") from None
+        raise DistBuildError(f"{path}: not the proof map phase 2 writes ({exc})") from None
     return {str(patch): [str(f) for f in files] for patch, files in data.items()}
 
 
@@ -312,6 +408,10 @@ def job_tmp(work: Path, name: str) -> str:
     tmp = work / "tmp" / name
     tmp.mkdir(parents=True, exist_ok=True)
     return str(tmp)
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
 
 
 def _log_tail(log: Path, lines: int = 80) -> str:
@@ -364,6 +464,7 @@ class LeaveOneOut:
     problems: list[str]
     total: Outcome = field(default_factory=Outcome)
     folder: str = "leave-one-out"  # the variants' logs and JUnit XML, under work/logs and work/test-results
+    say: Callable[[str], None] = _say  # where its lines go (held while phase 1 prints, HeldLines)
 
     def log(self, variant: leaveout.LeftOut) -> Path:
         return self.work / "logs" / self.folder / f"{variant.stem}.log"
@@ -374,8 +475,8 @@ class LeaveOneOut:
         pending: dict[concurrent.futures.Future, tuple[int, leaveout.LeftOut]] = {}
         for number, variant in enumerate(self.variants, start=1):
             if variant.undeclared:
-                print(f"phase 3/4: leave-one-out {number}/{len(self.variants)}, without {variant.name}: "
-                      f"not run (undeclared dependents)", flush=True)
+                self.say(f"phase 3/4: leave-one-out {number}/{len(self.variants)}, without {variant.name}: "
+                         f"not run (undeclared dependents)")
                 continue
             # Sites are built here, one at a time (a variant with compiled changes builds a wheel),
             # while earlier variants' proofs run.
@@ -405,10 +506,10 @@ class LeaveOneOut:
             label += f" (and {', '.join(variant.dependents)}, which build on it)"
         found = _variant_problems(variant, outcome)
         log = self.log(variant)
-        print(f"{label}: {len(outcome.xfailed)} proof(s) failed for their stated reason, "
-              f"{len(outcome.failed)} did not, {seconds:.0f} s", flush=True)
+        self.say(f"{label}: {len(outcome.xfailed)} proof(s) failed for their stated reason, "
+                 f"{len(outcome.failed)} did not, {seconds:.0f} s")
         if found:
-            print(f"--- {log} (last lines)\n{_log_tail(log)}\n---", flush=True)
+            self.say(f"--- {log} (last lines)\n{_log_tail(log)}\n---")
         self.problems.extend(found)
         for name in ("passed", "failed", "skipped", "xfailed"):
             getattr(self.total, name).update(getattr(outcome, name))
@@ -418,30 +519,32 @@ def run_leave_one_out(repo: Path, work: Path, python: Path, tree: Path, series: 
                       build_site: Callable[[leaveout.LeftOut], Path], paths: list[str],
                       pytest_args: list[str], extra_env: dict[str, str],
                       proof_files: dict[str, list[str]] | None = None,
-                      pool: concurrent.futures.Executor | None = None) -> tuple[Outcome, list[str]]:
+                      pool: concurrent.futures.Executor | None = None,
+                      say: Callable[[str], None] = _say) -> tuple[Outcome, list[str]]:
     """Phase 3: each patch's proofs against the series without that patch only,
     and each part's proofs against the series with that part of its patch removed.
 
     Variants run in ``pool`` (shared with phase 2; else a pool of their own),
     each with its own TMPDIR and log (work/logs/leave-one-out/); a variant's log
     is printed when it fails.
-    With ``proof_files`` (the proof map phase 1 writes) a variant collects only the files
+    With ``proof_files`` (the proof map phase 2 writes) a variant collects only the files
     that hold its patch's proofs instead of every test."""
     started = time.monotonic()
     variants, problems = _leave_one_out_variants(repo, tree, series)
-    phase = LeaveOneOut(repo, work, python, paths, pytest_args, extra_env, proof_files or {}, variants, problems)
+    phase = LeaveOneOut(repo, work, python, paths, pytest_args, extra_env, proof_files or {}, variants, problems,
+                        say=say)
     jobs = leave_one_out_jobs()
-    print(f"\n=== phase 3/4: leave-one-out, {len(variants)} variants, {jobs} runs at a time "
-          f"(logs: {work / 'logs' / 'leave-one-out'})", flush=True)
+    say(f"\n=== phase 3/4: leave-one-out, {len(variants)} variants, up to {jobs} runs at a time "
+        f"(logs: {work / 'logs' / 'leave-one-out'})")
     with contextlib.ExitStack() as stack:
         if pool is None:
             pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(max_workers=jobs))
         phase.run_variants(pool, build_site)
     total = phase.total
-    print(f"\nleave-one-out: {len(variants)} variants ({sum(bool(v.dependents) for v in variants)} with "
-          f"dependents left out too, {sum(bool(v.part) for v in variants)} removing a part of a patch), "
-          f"{len(total.xfailed)} proofs failed for their stated reason, "
-          f"{len(total.failed)} did not, in {time.monotonic() - started:.0f} s ({jobs} runs at a time)", flush=True)
+    say(f"\nleave-one-out: {len(variants)} variants ({sum(bool(v.dependents) for v in variants)} with "
+        f"dependents left out too, {sum(bool(v.part) for v in variants)} removing a part of a patch), "
+        f"{len(total.xfailed)} proofs failed for their stated reason, "
+        f"{len(total.failed)} did not, in {time.monotonic() - started:.0f} s (up to {jobs} runs at a time)")
     return total, problems
 
 
@@ -649,12 +752,10 @@ class _Phases:
         return self.work / "logs" / "phase-2-pristine-proofs.log"
 
     def run_phase_1(self) -> None:
-        """Phase 1 collects every test; it writes which files hold each patch's proofs for phase 3."""
-        self.proof_map.unlink(missing_ok=True)
+        """Phase 1: every test, with the patched build."""
         t0 = time.monotonic()
         patched = run_pytest(self.python, [*self.paths, *self.pytest_args], self.repo, self.junit / "patched.xml",
-                             {**self.patched_env, "DIST_PROOF_MAP": str(self.proof_map),
-                              "TMPDIR": job_tmp(self.work, "phase-1")},
+                             {**self.patched_env, "TMPDIR": job_tmp(self.work, "phase-1")},
                              "phase 1/4: project tests, patched LMCache")
         self.results["patched"] = patched
         self.seconds["1"] = time.monotonic() - t0
@@ -679,7 +780,7 @@ class _Phases:
 
     def start_forward(self, forward: Callable[[dict[str, str]], SideRun] | None
                       ) -> concurrent.futures.Future[SideRun] | None:
-        """Phase 2b in a thread of its own, beside phases 2 and 3; None when it does not run (a problem)."""
+        """Phase 2b in a thread of its own, beside phase 3; None when it does not run (a problem)."""
         if forward is None:
             self.problems.append("phase 2b: skipped (--no-forward): a partial run")
             return None
@@ -693,24 +794,36 @@ class _Phases:
         self.seconds["2b"] = run.seconds
         self.problems.extend(run.problems)
         self.forward_run = run
-        print(f"\n=== phase 2b (ran beside phases 2 and 3, {run.seconds / 60:.1f} min):", flush=True)
+        print(f"\n=== phase 2b (ran after phase 1, beside phase 3, {run.seconds / 60:.1f} min):", flush=True)
         for line in [*run.details, *run.summary]:
             print(f"  {line}", flush=True)
 
-    def run_phases_2_and_3(
-        self, leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None
-    ) -> Outcome:
-        """Phases 2 and 3 share one pool: the pristine proofs run beside the first variants. Phase 2's outcome."""
-        jobs = leave_one_out_jobs()
+    def start_proofs(self, leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None,
+                     slots: Slots, lines: HeldLines) -> concurrent.futures.Future[Outcome]:
+        """Phases 2 and 3 in a thread of their own, in one pool whose ``slots`` widen when phase 1 ends:
+        the pristine proofs first, then the variants once phase 2's collection has written the proof map.
+        Phase 2's outcome."""
+        self.proof_map.unlink(missing_ok=True)
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=leave_one_out_jobs())
+        thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        future = thread.submit(self._run_proofs, SlottedPool(pool, slots), pool, leave_one_out, lines)
+        thread.shutdown(wait=False)
+        return future
+
+    def _run_proofs(self, slotted: SlottedPool, pool: concurrent.futures.ThreadPoolExecutor,
+                    leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None,
+                    lines: HeldLines) -> Outcome:
         t0 = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            print(f"\n=== phase 2/4: patch proofs, pristine LMCache (log: {self.phase2_log})", flush=True)
-            phase2 = pool.submit(run_pytest, self.python, [*self.paths, "-m", "fixes", *self.pytest_args], self.repo,
-                                 self.junit / "pristine.xml",
-                                 {**self.pristine_env, "TMPDIR": job_tmp(self.work, "phase-2")},
-                                 "phase 2/4: patch proofs, pristine LMCache", self.phase2_log)
+        with pool:
+            lines.say(f"\n=== phase 2/4: patch proofs, pristine LMCache (log: {self.phase2_log})")
+            phase2 = slotted.submit(run_pytest, self.python, [*self.paths, "-m", "fixes", *self.pytest_args],
+                                    self.repo, self.junit / "pristine.xml",
+                                    {**self.pristine_env, "DIST_PROOF_MAP": str(self.proof_map),
+                                     "TMPDIR": job_tmp(self.work, "phase-2")},
+                                    "phase 2/4: patch proofs, pristine LMCache", self.phase2_log)
             if leave_one_out is not None:
-                self.run_phase_3(pool, *leave_one_out)
+                self.run_phase_3(slotted, *leave_one_out, proof_files=wait_for_proof_map(self.proof_map, phase2),
+                                 say=lines.say)
             else:
                 self.problems.append("phase 3: skipped (--no-leave-one-out): a partial run")
             proofs = phase2.result()
@@ -719,7 +832,8 @@ class _Phases:
         return proofs
 
     def run_phase_3(self, pool: concurrent.futures.Executor, series: list[str],
-                    build_site: Callable[[leaveout.LeftOut], Path]) -> None:
+                    build_site: Callable[[leaveout.LeftOut], Path], proof_files: dict[str, list[str]],
+                    say: Callable[[str], None]) -> None:
         # The engine proofs start vLLM from the engine venv with the variant's
         # LMCache first on PYTHONPATH, as phase 2 does with the pristine build;
         # the deployment's chaos proof renders the chart with Helm (and its router tests run vllm-router).
@@ -727,14 +841,15 @@ class _Phases:
                   if k in ("DIST_ENGINE_PYTHON", "DIST_HELM", "DIST_PROMTOOL", "DIST_VLLM_ROUTER")}
         left, left_problems = run_leave_one_out(self.repo, self.work, self.python, self.tree, series, build_site,
                                                 self.paths, self.pytest_args, {**self.extra_env, **engine},
-                                                proof_files=read_proof_map(self.proof_map), pool=pool)
+                                                proof_files=proof_files, pool=pool, say=say)
         self.results["leave-one-out"] = left
         self.problems.extend(left_problems)
 
     def judge_phase_2(self, proofs: Outcome) -> None:
         """Print phase 2's line and its log's end (all of it when a proof did not fail on pristine)."""
         failed_phase2 = proofs.returncode not in (0, 5)
-        print(f"\n=== phase 2/4 (ran beside phase 3): {len(proofs.xfailed)} proofs failed on pristine as they must, "
+        print(f"\n=== phase 2/4 (ran beside phases 1 and 3): {len(proofs.xfailed)} proofs failed on pristine "
+              f"as they must, "
               f"{len(proofs.failed)} did not; {'its log' if failed_phase2 else 'the end of its log'}:\n"
               f"{_log_tail(self.phase2_log, 200 if failed_phase2 else 4)}", flush=True)
         self.problems.extend(pristine_proof_problems(proofs))
@@ -769,9 +884,10 @@ class _Phases:
         passed, failed, skipped = self.totals()
         proofs = results["pristine"]
         left = results.get("leave-one-out", Outcome())
-        beside = {"2b": " beside 2+3", "4": " beside 1-3"}
+        beside = {"2+3": f" from the start, {self.seconds.get('after 1', 0.0) / 60:.1f} after phase 1",
+                  "2b": " beside 3", "4": " beside 1-3"}
         timed = ", ".join(f"phase {n} {t / 60:.1f} min" + beside.get(n, "")
-                          for n, t in self.seconds.items())
+                          for n, t in self.seconds.items() if n != "after 1")
         print(f"\nsummary ({timed}; {(time.monotonic() - started) / 60:.1f} min in all):")
         print(f"  phase 1 project tests (patched): {len(results['patched'].passed)} passed, "
               f"{len(results['patched'].failed)} failed, {len(results['patched'].skipped)} skipped")
@@ -808,8 +924,9 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
             leave_one_out: tuple[list[str], Callable[[leaveout.LeftOut], Path]] | None = None,
             engine: bool = True, peer_store: peerstore.PeerStore | None = None,
             forward: Callable[[dict[str, str]], SideRun] | None = None) -> int:
-    """The four phases, and phase 2b beside phases 2 and 3 (``forward``, given the runs' extra environment;
-    None: skipped, a partial run); prints one closing 'N passed, N failed' line."""
+    """The four phases (phases 2 to 4 beside phase 1, see the module's docstring), and phase 2b once phase 1
+    has ended (``forward``, given the runs' extra environment; None: skipped, a partial run); prints one
+    closing 'N passed, N failed' line."""
     problems: list[str] = []
     paths = paths or ["tests"]
     if not engine:
@@ -822,9 +939,18 @@ def run_all(repo: Path, work: Path, python: Path, envs: dict[str, dict[str, str]
                      patched_env, pristine_env, problems, peer_store=peer_store)
     started = time.monotonic()
     peer_future = phases.start_peer_suite(peer)
-    phases.run_phase_1()
+    jobs = leave_one_out_jobs()
+    slots, lines = Slots(jobs_beside_phase_1(jobs)), HeldLines()
+    proofs_future = phases.start_proofs(leave_one_out, slots, lines)
+    try:
+        phases.run_phase_1()
+    finally:
+        phase_1_ended = time.monotonic()
+        slots.widen(jobs)
+        lines.release()
     forward_future = phases.start_forward(forward)
-    proofs = phases.run_phases_2_and_3(leave_one_out)
+    proofs = proofs_future.result()
+    phases.seconds["after 1"] = time.monotonic() - phase_1_ended
     phases.judge_phase_2(proofs)
     if forward_future is not None:
         phases.take_forward(forward_future.result())
