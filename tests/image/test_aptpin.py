@@ -77,18 +77,22 @@ def test_the_base_is_labelled_with_its_lock_section_and_epoch() -> None:
 
 
 def test_the_normalised_rootfs_tar_depends_on_content_only(tmp_path: Path) -> None:
+    """Names created in another order and every mtime after the epoch, the roots' own included (a
+    build's files are newer than its SOURCE_DATE_EPOCH): the same tar. The epoch is in the past, as a
+    build's is; one after today would leave the roots' mtimes, the second each was made in, unclamped."""
+    epoch = 1_700_000_000
     sums = []
     for n, (order, mtime) in enumerate((("ab", 1_900_000_000), ("ba", 1_950_000_000))):
         root = tmp_path / f"root{n}"
         root.mkdir()
         for name in order:   # created in another order: the tar sorts names
             (root / name).write_text(name)
-            import os
             os.utime(root / name, (mtime, mtime))
-        sums.append(baseimage.normalised_tar(root, tmp_path / f"r{n}.tar", epoch=1_800_000_000))
+        os.utime(root, (mtime + 1, mtime + 1))
+        sums.append(baseimage.normalised_tar(root, tmp_path / f"r{n}.tar", epoch=epoch))
     assert sums[0] == sums[1]
     (tmp_path / "root1" / "a").write_text("changed")
-    assert baseimage.normalised_tar(tmp_path / "root1", tmp_path / "r2.tar", epoch=1_800_000_000) != sums[0]
+    assert baseimage.normalised_tar(tmp_path / "root1", tmp_path / "r2.tar", epoch=epoch) != sums[0]
 
 
 def test_a_version_the_suites_dropped_is_named_with_the_fix() -> None:
