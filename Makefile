@@ -36,8 +36,8 @@ lock: ## resolve the image's Python dependency closure by sha256 into build/lock
 test: ## the CPU test suite: tool tests, patch proofs on pristine and patched LMCache, peer suite [TEST_ARGS=--no-engine ..]
 	$(DIST) test $(TEST_ARGS)
 
-stress: ## phases 1-3 with busy loops beside them; lists every test whose result changed from the last idle make test [HOG=1] [TEST_ARGS=..]
-	$(DIST) test --hog $(or $(HOG),1) --no-peer $(TEST_ARGS)
+stress: ## make test's phases with busy loops beside them; lists every test whose result changed from the last idle make test [HOG=1] [TEST_ARGS=..]
+	$(DIST) test --hog $(or $(HOG),1) $(TEST_ARGS)
 
 gpu-bundles: ## make and stamp the bundles a GPU machine without the trees runs the GPU checks from (tests/device_run.sh)
 	$(DIST) gpu-bundles
