@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,4 +125,37 @@ def test_a_core_that_failed_to_start_fails_the_start_even_when_the_server_hangs(
         engine_support.start_engine(server, spec, tmp_path / "engine", startup_timeout_s=60)
     assert engine_support.CORE_FAILED in raised.value.log_text
     assert "not ready within" not in str(raised.value)
+    assert not subprocess.run(["pgrep", "-f", str(server)], capture_output=True).stdout
+
+
+def test_a_start_whose_lmcache_degraded_fails_at_once(tmp_path):
+    """A stand-in server (a fake: it logs LMCache's degraded-mode line, as LMCacheManager
+    does when its init fails outside shard mode, and then never answers) fails its start
+    as soon as the line is logged, naming it: the harness does not wait for a server whose
+    cache is already off."""
+    from tests.support import engine as engine_support
+    server = tmp_path / "degraded-server"
+    server.write_text("#!/bin/sh\necho 'ERROR LMCache: Failed to initialize LMCacheManager components: "
+                      "No supported cpu connector found. System will operate in degraded mode (recompute).'\n"
+                      "exec sleep 600\n")
+    server.chmod(0o755)
+    spec = EngineSpec(MODEL, {}, lmcache_config={"chunk_size": 256}, cpu_connector=False, label="degraded")
+    started = time.monotonic()
+    with pytest.raises(engine_support.EngineError, match="degraded mode") as raised:
+        engine_support.start_engine(server, spec, tmp_path / "engine", startup_timeout_s=60)
+    assert time.monotonic() - started < 30
+    assert "No supported cpu connector found" in str(raised.value)
+    assert not subprocess.run(["pgrep", "-f", str(server)], capture_output=True).stdout
+
+
+def test_a_start_that_times_out_says_how_long_its_log_has_been_silent(tmp_path):
+    """A stand-in server (a fake that logs one line and never answers): the timeout names how
+    long ago the log was last written, which tells a hung start from a slow one."""
+    from tests.support import engine as engine_support
+    server = tmp_path / "silent-server"
+    server.write_text("#!/bin/sh\necho 'starting'\nexec sleep 600\n")
+    server.chmod(0o755)
+    spec = EngineSpec(MODEL, {}, cpu_connector=False, label="silent")
+    with pytest.raises(engine_support.EngineError, match=r"not ready within 3 s \(its log last written \d+ s ago\)"):
+        engine_support.start_engine(server, spec, tmp_path / "engine", startup_timeout_s=3)
     assert not subprocess.run(["pgrep", "-f", str(server)], capture_output=True).stdout

@@ -94,7 +94,8 @@ def test_lmcache_init_failure_stops_the_sharded_prefill_engine(starts):
 def test_degraded_lmcache_fails_the_harness(starts):
     """Outside shard mode LMCache switches itself off while the server starts and
     answers (upstream's degraded mode): the harness must refuse such an engine, naming
-    the cause. The prefill preset with pcp_shard_store off, without the CPU connector."""
+    the cause, as soon as LMCache logs it (the start does not wait for the server to
+    answer). The prefill preset with pcp_shard_store off, without the CPU connector."""
     started, spec, valkey = starts["prefill-degraded"]
     assert spec.lmcache_config["extra_config"]["pcp_shard_store"] is False and not spec.cpu_connector
     with pytest.raises(EngineError, match=r"degraded mode") as raised:

@@ -182,11 +182,8 @@ class EngineServer:
             return
         text = self.log_text()
         for pattern in DEGRADED:
-            found = pattern.search(text)
-            if found:
-                start = max(0, found.start() - 2000)
-                raise EngineError(f"{self.spec.label}: LMCache is in degraded mode ({found.group(0)!r}): "
-                                  f"its cache is off and every request recomputes\n{text[start:found.end() + 500]}")
+            if error := self.degraded_error(text, pattern):
+                raise error
         found = PIN_BUG.search(text)
         if found:
             start = max(0, found.start() - 1500)
@@ -195,6 +192,21 @@ class EngineServer:
         if PLUGIN_LINE not in text:
             raise EngineError(f"{self.spec.label}: LMCache built no KV copy connector in the worker "
                               f"(no {PLUGIN_LINE!r} line)\n{self.tail()}")
+
+    def degraded_error(self, text: str, pattern: re.Pattern = DEGRADED[0]) -> EngineError | None:
+        """The error for an LMCache that switched itself off, when ``text`` says so."""
+        found = pattern.search(text)
+        if not found:
+            return None
+        start = max(0, found.start() - 2000)
+        error = EngineError(f"{self.spec.label}: LMCache is in degraded mode ({found.group(0)!r}): "
+                            f"its cache is off and every request recomputes\n{text[start:found.end() + 500]}")
+        error.log_text = text
+        return error
+
+    def silent_s(self) -> float:
+        """Seconds since the engine last wrote to its log."""
+        return time.time() - self.log_path.stat().st_mtime if self.log_path.exists() else 0.0
 
     def lmcache_counts(self, since: int = 0) -> Counts:
         counts = Counts()
@@ -393,7 +405,12 @@ def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_
                                     f"(log: {log_path})\n{server.tail()}")
                 error.log_text = server.log_text()
                 raise error
-            if core_failed_at is None and CORE_FAILED in server.log_text():
+            text = server.log_text()
+            # LMCache says "degraded mode" only when it goes on without its cache (a fatal init
+            # failure raises instead), so the start has failed whether or not the server answers.
+            if spec.lmcache_config is not None and (error := server.degraded_error(text)):
+                raise error
+            if core_failed_at is None and CORE_FAILED in text:
                 core_failed_at = time.monotonic()
             if core_failed_at is not None and time.monotonic() - core_failed_at > CORE_FAILED_EXIT_S:
                 error = EngineError(f"{spec.label}: the engine core failed while starting and the server did not "
@@ -402,7 +419,8 @@ def start_engine(python: Path, spec: EngineSpec, workdir: Path, startup_timeout_
                 error.log_text = server.log_text()
                 raise error
             if time.monotonic() - started > startup_timeout_s:
-                raise EngineError(f"{spec.label}: not ready within {startup_timeout_s:.0f} s\n{server.tail()}")
+                raise EngineError(f"{spec.label}: not ready within {startup_timeout_s:.0f} s (its log last written "
+                                  f"{server.silent_s():.0f} s ago)\n{server.tail()}")
             time.sleep(0.5)
         server.startup_s = time.monotonic() - started
         server.check_healthy()
