@@ -208,3 +208,49 @@ def test_phase_3_waits_for_the_proof_map_phase_2_writes_or_for_phase_2_to_end(tm
         ended = pool.submit(lambda: None)
         ended.result()
         assert testrun.wait_for_proof_map(path, ended) == {}
+
+
+LEAVES_A_SERVER = (
+    "import subprocess, sys, time\n"
+    "def test_starts_a_server_and_leaves_it():\n"
+    "    # a session of its own, as the engine harness starts vLLM and Valkey\n"
+    "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)  # left-behind'],\n"
+    "                     start_new_session=True)\n"
+    "    time.sleep({hold})\n")
+
+
+def _left_behind() -> list[str]:
+    return [line for line in os.popen("ps -eo pid,args").read().splitlines() if "left-behind" in line
+            and "ps -eo" not in line]
+
+
+@pytest.mark.parametrize("hold, stopped", [(0, False), (120, True)], ids=["run ends", "run stopped at its bound"])
+def test_what_a_pytest_run_leaves_running_is_killed_and_named(tmp_path, monkeypatch, hold, stopped):
+    """Real pytest runs whose test starts a server in its own session: whether the run ends or is
+    stopped at its bound (its fixtures' teardown then never runs), the server is killed and named."""
+    monkeypatch.setattr(testrun, "PHASE_TIMEOUT_S", 20)
+    (tmp_path / "test_leaves.py").write_text(LEAVES_A_SERVER.replace("{hold}", str(hold)))
+    log = tmp_path / "run.log"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    if stopped:
+        with pytest.raises(DistBuildError, match="ran past 20 s"):
+            testrun.run_pytest(Path(sys.executable), ["test_leaves.py"], tmp_path, tmp_path / "r.xml", env, "run", log)
+    else:
+        assert testrun.run_pytest(Path(sys.executable), ["test_leaves.py"], tmp_path, tmp_path / "r.xml", env, "run",
+                                  log).returncode == 0
+    assert not _left_behind()
+    assert "run: killed 1 process(es) the run left running:" in log.read_text()
+    assert "left-behind" in log.read_text()
+
+
+def test_processes_of_other_runs_are_left_alone(tmp_path):
+    from distbuild.host import leftovers
+    import subprocess
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)  # left-behind"],
+                             env={**os.environ, leftovers.TOKEN_ENV: "another-run"})
+    try:
+        assert leftovers.kill_leftovers(leftovers.new_token()) == []
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()

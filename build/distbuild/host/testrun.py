@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import leaveout, peerstore
+from . import leaveout, leftovers, peerstore
 from ..errors import DistBuildError
 from ..gitrepo import PRISTINE_REF, Repo
 
@@ -118,6 +118,8 @@ def run_pytest(python: Path, args: list[str], cwd: Path, junit: Path, env: dict[
     heading = f"=== {label}: {' '.join(cmd)}"
     if log is None:
         print(f"\n{heading}", flush=True)
+    token = leftovers.new_token()
+    env = {**env, leftovers.TOKEN_ENV: token}
     try:
         if log is None:
             result = subprocess.run(cmd, cwd=cwd, env=env, timeout=PHASE_TIMEOUT_S)
@@ -130,9 +132,24 @@ def run_pytest(python: Path, args: list[str], cwd: Path, junit: Path, env: dict[
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise DistBuildError(f"{label}: pytest ran past {PHASE_TIMEOUT_S} s and was stopped") from None
+    finally:
+        report_leftovers(label, leftovers.kill_leftovers(token), log)
     outcome = parse_junit(junit) if junit.exists() else Outcome()
     outcome.returncode = result.returncode
     return outcome
+
+
+def report_leftovers(label: str, killed: list[str], log: Path | None) -> None:
+    """Name what a run left running (and was killed), where the run's output went."""
+    if not killed:
+        return
+    text = f"{label}: killed {len(killed)} process(es) the run left running:\n" + "".join(
+        f"  {line}\n" for line in killed)
+    if log is None:
+        print(text, end="", flush=True)
+    else:
+        with log.open("a") as out:
+            out.write(text)
 
 
 def slowest_tests(results: dict[str, "Outcome"], most: int = 10) -> str:
