@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from distbuild.host import testrun
+from distbuild.host import leftovers, testrun
 from distbuild.errors import DistBuildError
 
 
@@ -244,8 +245,6 @@ def test_what_a_pytest_run_leaves_running_is_killed_and_named(tmp_path, monkeypa
 
 
 def test_processes_of_other_runs_are_left_alone(tmp_path):
-    from distbuild.host import leftovers
-    import subprocess
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)  # left-behind"],
                              env={**os.environ, leftovers.TOKEN_ENV: "another-run"})
     try:
