@@ -6,7 +6,7 @@ WORK ?= $(CURDIR)/work
 DIST := PYTHONPATH=$(CURDIR)/build $(PYTHON) -m distbuild --work $(WORK)
 FORCE_FLAG := $(if $(filter 1 yes true,$(FORCE)),--force,)
 
-.PHONY: help gpu-bundles gpu-rehearsal image image-check image-repro lock-debian lock test stress sources fetch flashinfer-artifacts patched export health forward probe-vllm manifest lint pin audit chart picture clean
+.PHONY: help gpu-bundles gpu-rehearsal image image-check image-repro lock-debian lock lock-test test stress sources fetch flashinfer-artifacts patched export health forward probe-vllm manifest lint pin audit chart picture clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -30,8 +30,11 @@ image-check: ## run the built image: self-test, presets, deployment, the operato
 	@test -x $(WORK)/venv/bin/python || { echo "make image-check: needs the test environment ($(WORK)/venv): run make test once" >&2; exit 2; }
 	DIST_RUNTIME_IMAGE=$(IMAGE_TAG) DIST_ROUTER_IMAGE=$(ROUTER_TAG) DIST_HELM=$(WORK)/tools/bin/helm $(WORK)/venv/bin/python -m pytest -p no:cacheprovider -v tests/image/test_runtime_image.py tests/image/test_router_image.py
 
-lock: ## resolve the image's Python dependency closure by sha256 into build/lock/*.txt [ROUTER_ONLY=1: router.txt alone, within image.txt]
+lock: ## resolve the image's Python dependency closure by sha256 into build/lock/{image,builder,router}.txt [ROUTER_ONLY=1: router.txt alone, within image.txt]
 	$(DIST) lock $(if $(filter 1,$(ROUTER_ONLY)),--router-only)
+
+lock-test: ## re-resolve build/lock/test-venv.txt and test-engine.txt (the versions make test's two venvs install) from the live index
+	$(DIST) lock --test
 
 test: ## the CPU test suite: tool tests, patch proofs on pristine and patched LMCache, peer suite [TEST_ARGS=--no-engine ..]
 	$(DIST) test $(TEST_ARGS)

