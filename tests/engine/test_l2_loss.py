@@ -66,14 +66,15 @@ class Race:
         client = self.valkey.client()
         client.flushall()
         self.shared.clear_l1()
-        stored = observe(self.server, [self.valkey], PREFIX)
+        stored = observe(self.server, [self.valkey], PREFIX, sets=[PREFIX_CHUNKS])
         assert stored.counts.stored == LOADED and stored.calls[0].get("set") == PREFIX_CHUNKS, stored.summary()
         self.prefix_keys = set(client.keys("*"))
         self.shared.clear_l1()
-        partial = observe(self.server, [self.valkey], PROMPT)
+        partial = observe(self.server, [self.valkey], PROMPT, sets=[CHUNKS - PREFIX_CHUNKS])
         assert (partial.counts.retrieved, partial.counts.stored) == (LOADED, (CHUNKS - PREFIX_CHUNKS) * CHUNK), \
             partial.summary()
         assert partial.calls[0].get("get") == PREFIX_CHUNKS, partial.summary()
+        assert partial.calls[0].get("set") == CHUNKS - PREFIX_CHUNKS, partial.summary()
         self.suffix_keys = set(client.keys("*")) - self.prefix_keys
         assert len(self.suffix_keys) == CHUNKS - PREFIX_CHUNKS
         self.partial = partial

@@ -35,7 +35,7 @@ def test_cold_l1_l2_cold(shared_prefill):
     shared.clear_l1()
     valkey.client().flushall()
 
-    cold = observe(shared.server, [valkey], PROMPT)
+    cold = observe(shared.server, [valkey], PROMPT, sets=[CHUNKS])
     assert (cold.counts.stored, cold.counts.retrieved) == (STORED, 0), cold.summary()
     assert cold.calls[0].get("set") == CHUNKS and "get" not in cold.calls[0], cold.summary()
     assert cold.completion.cached_tokens == 0, cold.completion.cached_tokens
@@ -57,7 +57,7 @@ def test_cold_l1_l2_cold(shared_prefill):
     # there) emptied through LMCache's API, Valkey flushed.
     removed = shared.clear_l1()
     valkey.client().flushall()
-    cold_again = observe(shared.server, [valkey], PROMPT)
+    cold_again = observe(shared.server, [valkey], PROMPT, sets=[CHUNKS])
     assert (cold_again.counts.stored, cold_again.counts.retrieved, cold_again.counts.hit) == (STORED, 0, 0), \
         cold_again.summary()
     assert cold_again.calls[0].get("set") == CHUNKS and "get" not in cold_again.calls[0], cold_again.summary()

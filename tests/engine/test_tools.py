@@ -79,7 +79,8 @@ def test_replay_and_valkey_stats(shared_prefill, tmp_path):
         assert summary["ttft"]["max"] == pytest.approx(ttfts[-1], abs=1e-3)
         print(f"replay {name}: TTFT p50 {summary['ttft']['p50']:.3f} s, p90 {summary['ttft']['p90']:.3f} s, "
               f"p99 {summary['ttft']['p99']:.3f} s; thirds p50 "
-              + ", ".join(f"{t['p50']:.3f}" for t in thirds.values()) + " s; cached tokens "
+              + ", ".join("-" if t["p50"] is None else f"{t['p50']:.3f}" for t in thirds.values())
+              + " s; cached tokens "
               + str(sum(int(r["cached_tokens"] or 0) for r in rows)))
         return rows, summary
 

@@ -67,7 +67,7 @@ def _stores_again(server, valkey, seed: int, within_s: float = RECOVERY_S) -> fl
 def test_valkey_killed_mid_run(shared_prefill):
     shared = shared_prefill
     shared.clear_l1()
-    cold = observe(shared.server, [shared.valkey], OTHER_PROMPT)
+    cold = observe(shared.server, [shared.valkey], OTHER_PROMPT, sets=[CHUNKS])
     assert cold.counts.stored == STORED and cold.calls[0].get("set") == CHUNKS, cold.summary()
     shared.clear_l1()
 

@@ -40,6 +40,13 @@ from tests.support.ports import free_loopback_port, ports_are_free
 from tests.support.valkey import ValkeyServer
 
 ENGINE_PYTHON_ENV = "DIST_ENGINE_PYTHON"
+# vLLM's CPU worker binds its OpenMP threads to every core of the NUMA node by default
+# (two here, OMP_PROC_BIND=true). Every engine of the suite, and of the runs beside it,
+# then pins a spinning thread team to the same two cores, and each team's barrier waits
+# on a thread the other team has descheduled. The test models are tiny: one unbound
+# thread each lets the scheduler place them. A test that binds (tests/engine/test_tp2.py)
+# sets VLLM_CPU_OMP_THREADS_BIND in its spec, which wins.
+ENGINE_THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 # The engines' TMPDIR, when set (make test sets work/tmp/engine for every phase): Inductor keeps
 # its precompiled C++ header under the temp dir whatever TORCHINDUCTOR_CACHE_DIR says, so engines
 # of runs side by side (each with a TMPDIR of its own) share what one compiled (warm_compile_cache).
@@ -349,6 +356,7 @@ def engine_env(spec: EngineSpec, workdir: Path) -> dict[str, str]:
     env.update(PYTHONUNBUFFERED="1", PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                LMCACHE_TRACK_USAGE="false")
+    env.update(ENGINE_THREADS)
     if spec.lmcache_config is not None:
         lmcache_file = workdir / f"{spec.label}-lmcache.yaml"
         lmcache_file.write_text(yaml.safe_dump(spec.lmcache_config, sort_keys=False))
@@ -489,10 +497,31 @@ class Observation:
                 f"hit {self.counts.hit}, valkey {self.calls}, {self.completion.seconds:.2f} s")
 
 
-def observe(server: EngineServer, valkeys: list[ValkeyServer], prompt: list[int], **kwargs) -> Observation:
-    """A completion of ``prompt`` with LMCache's counts and Valkey's command deltas around it."""
+def observe(server: EngineServer, valkeys: list[ValkeyServer], prompt: list[int],
+            sets: list[int] | None = None, **kwargs) -> Observation:
+    """A completion of ``prompt`` with LMCache's counts and Valkey's command deltas around it.
+
+    ``sets``: the SETs each instance is expected to receive. LMCache logs a store once the
+    chunks are in its local tier and writes them to Valkey afterwards, from its own event
+    loop, so they can arrive after the request has answered: the reading waits for them, up
+    to STORE_WAIT_S (a bound on a store that never comes, not on speed). The caller's
+    assertion then sees whatever did arrive."""
     mark = server.log_mark()
     before = [command_calls(v) for v in valkeys]
     completion = server.completion(prompt, **kwargs)
-    after = [command_calls(v) for v in valkeys]
-    return Observation(completion, server.lmcache_counts(mark), [calls_delta(b, a) for b, a in zip(before, after)])
+    deltas = _calls_after(valkeys, before, sets)
+    return Observation(completion, server.lmcache_counts(mark), deltas)
+
+
+STORE_WAIT_S = 60.0
+
+
+def _calls_after(valkeys: list[ValkeyServer], before: list[dict[str, int]],
+                 sets: list[int] | None) -> list[dict[str, int]]:
+    deadline = time.monotonic() + STORE_WAIT_S
+    while True:
+        deltas = [calls_delta(b, command_calls(v)) for b, v in zip(before, valkeys)]
+        arrived = sets is None or all(d.get("set", 0) >= want for d, want in zip(deltas, sets))
+        if arrived or time.monotonic() > deadline:
+            return deltas
+        time.sleep(0.05)
