@@ -253,36 +253,3 @@ def test_processes_of_other_runs_are_left_alone(tmp_path):
     finally:
         other.kill()
         other.wait()
-
-
-def test_phase_1_is_two_runs_that_together_collect_every_test_once():
-    repo = Path(__file__).resolve().parents[2]
-    runs = testrun.phase_1_runs(["tests"], ["-m", "not slow"])
-    assert [name for name, _ in runs] == ["patched", "patched-second"]
-    collected = []
-    for _, args in runs:
-        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                               *[a for a in args if a not in ("-m", "not slow")]],
-                              cwd=repo, capture_output=True, text=True, timeout=600)
-        collected.append({line.split("::")[0] for line in done.stdout.splitlines() if "::" in line})
-    first, second = collected
-    assert second and not first & second, sorted(first & second)[:5]
-    every = {str(p.relative_to(repo)) for p in (repo / "tests").rglob("test_*.py")
-             if "__pycache__" not in p.parts}
-    assert every - (first | second) <= {str(p.relative_to(repo)) for p in (repo / "tests" / "parts").rglob("*.py")}
-    assert all(args[-2:] == ["-m", "not slow"] for _, args in runs)
-
-
-def test_paths_given_make_one_phase_1_run():
-    assert testrun.phase_1_runs(["tests/ops"], ["-x"]) == [("patched", ["tests/ops", "-x"])]
-
-
-def test_phase_1_runs_merge_and_a_run_that_selected_nothing_is_no_failure():
-    a = testrun.Outcome(passed={"a::t"}, seconds={"a::t": 1.0}, returncode=0)
-    none = testrun.Outcome(returncode=5)
-    failed = testrun.Outcome(failed={"b::t"}, seconds={"b::t": 2.0}, returncode=1)
-    assert testrun.merged_outcome([a, none]).returncode == 0
-    assert testrun.merged_outcome([none, none]).returncode == 5
-    merged = testrun.merged_outcome([a, failed])
-    assert (merged.returncode, merged.passed, merged.failed, merged.seconds) == \
-        (1, {"a::t"}, {"b::t"}, {"a::t": 1.0, "b::t": 2.0})

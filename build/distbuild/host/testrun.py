@@ -19,9 +19,9 @@ Phases:
    test that passes on pristine must pass on patched. It starts with phase 1
    and runs beside phases 1 to 3, its output in ``work/logs/phase-4-*.log``.
 
-Phase 1 is two pytest runs side by side (``PHASE_1_SECOND``): one alone left
-about one of two cores idle while it waited on engines and servers. The proofs
-of phases 2 and 3 mostly wait on timeouts, stopped servers and engine starts. So phases 2 and 3 start with
+Phase 1 is one pytest run that leaves about one of two cores idle while it
+waits on engines and servers, and the proofs of phases 2 and 3 mostly wait on
+timeouts, stopped servers and engine starts. So phases 2 and 3 start with
 phase 1 too, in one pool of pytest runs: ``DIST_TEST_JOBS_BESIDE_PHASE_1`` of
 them (default 1) while phase 1 runs, ``DIST_TEST_JOBS`` (default 3) once it has
 ended. Phase 2 collects every test first and writes which files hold each
@@ -737,38 +737,6 @@ def without_engine(paths: list[str], pytest_args: list[str]) -> tuple[list[str],
     return kept, [*pytest_args, f"--ignore={ENGINE_TESTS}"]
 
 
-# Phase 1 runs as two pytest runs side by side: these folders in the second, everything else in
-# the first. One run alone left a core idle while it waited on engine starts, servers and
-# timeouts (49 min of an idle 59.5-min make test). By junit's times on an idle host the first
-# holds 24 of those minutes (engine and LMCache tests), the second 25 (kernel compiles, image,
-# deployment, operator tools, the build tool's own tests).
-PHASE_1_SECOND = ("tests/flashinfer", "tests/image", "tests/deploy", "tests/ops", "tests/tool", "tests/bench",
-                  "tests/configs")
-
-
-def phase_1_runs(paths: list[str], pytest_args: list[str]) -> list[tuple[str, list[str]]]:
-    """Phase 1's pytest runs as (name, arguments): two when it runs the whole of tests/, one otherwise
-    (paths given: a quick loop)."""
-    if paths != ["tests"]:
-        return [("patched", [*paths, *pytest_args])]
-    return [("patched", ["tests", *(f"--ignore={p}" for p in PHASE_1_SECOND), *pytest_args]),
-            ("patched-second", [*PHASE_1_SECOND, *pytest_args])]
-
-
-def merged_outcome(outcomes: list[Outcome]) -> Outcome:
-    """One outcome of runs side by side. A run that selected nothing (pytest exit 5, e.g. under -k) is
-    not a failure while another run ran tests."""
-    merged = Outcome()
-    for o in outcomes:
-        for state in ("passed", "failed", "skipped", "xfailed"):
-            getattr(merged, state).update(getattr(o, state))
-        merged.seconds.update(o.seconds)
-    ran = [o.returncode for o in outcomes if o.returncode != 5]
-    failing = [c for c in ran if c != 0]
-    merged.returncode = failing[0] if failing else 0 if ran else 5
-    return merged
-
-
 @dataclass
 class _Phases:
     """One ``make test``: what its phases run with, and what they found."""
@@ -802,26 +770,14 @@ class _Phases:
         return self.work / "logs" / "phase-2-pristine-proofs.log"
 
     def run_phase_1(self) -> None:
-        """Phase 1: every test, with the patched build, in the runs ``phase_1_runs`` splits it into,
-        side by side; the first prints here, the others to a log whose end is printed after."""
+        """Phase 1: every test, with the patched build."""
         t0 = time.monotonic()
-        runs = phase_1_runs(self.paths, self.pytest_args)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(runs)) as pool:
-            futures = [pool.submit(run_pytest, self.python, args, self.repo, self.junit / f"{name}.xml",
-                                   {**self.patched_env, "TMPDIR": job_tmp(self.work, f"phase-1-{name}")},
-                                   f"phase 1/4: project tests, patched LMCache ({name})",
-                                   None if i == 0 else self.phase1_log(name))
-                       for i, (name, args) in enumerate(runs)]
-            outcomes = [f.result() for f in futures]
-        for name, _ in runs[1:]:
-            print(f"\n=== phase 1/4 ({name}, beside the run above): the end of "
-                  f"{self.phase1_log(name)}\n{_log_tail(self.phase1_log(name), 30)}", flush=True)
-        self.results["patched"] = merged_outcome(outcomes)
+        patched = run_pytest(self.python, [*self.paths, *self.pytest_args], self.repo, self.junit / "patched.xml",
+                             {**self.patched_env, "TMPDIR": job_tmp(self.work, "phase-1")},
+                             "phase 1/4: project tests, patched LMCache")
+        self.results["patched"] = patched
         self.seconds["1"] = time.monotonic() - t0
-        self.problems.extend(patched_problems(self.results["patched"]))
-
-    def phase1_log(self, name: str) -> Path:
-        return self.work / "logs" / f"phase-1-{name}.log"
+        self.problems.extend(patched_problems(patched))
 
     def start_peer_suite(self, peer: bool) -> concurrent.futures.Future[PeerRun] | None:
         """Phase 4 in a thread of its own, beside phases 1 to 3 (see the module's docstring). None when it
