@@ -330,8 +330,8 @@ def _test_environments(layout: Layout) -> tuple[Path, dict[str, dict[str, str]]]
     nixl = next(p for p in pins if p.name == "nixl-cu13" and p.kind == "wheel")
     nixl_wheels = (fetch(nixl, layout.cache, _client),)
     vllm_wheel = fetch(next(p for p in pins if p.name == "vllm" and p.kind == "wheel"), layout.cache, _client)
-    # The engine venv's base and the deploy tools need nothing of the test venv, and pip
-    # mostly waits on the disk: they are made beside it.
+    # The engine venv's base and the deploy tools need nothing of the test venv, and one pip
+    # at a time kept the load at about 1 on two cores: they are made beside it.
     with ThreadPoolExecutor(max_workers=2) as pool:
         base = pool.submit(testenv.ensure_engine_base, layout.work / "venv-engine", layout.tree("lmcache"),
                            logs, nixl_wheels)
