@@ -41,6 +41,13 @@ def test_a_spec_that_names_its_nixl_port_keeps_it(tmp_path):
     assert engine_env(spec, tmp_path)[NIXL_PORT_ENV] == "23456"
 
 
+def test_an_engine_runs_one_unbound_openmp_thread_unless_its_spec_binds(tmp_path):
+    env = engine_env(EngineSpec(MODEL, {}, cpu_connector=False), tmp_path)
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == ("nobind", "1")
+    bound = EngineSpec(MODEL, {}, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, cpu_connector=False)
+    assert engine_env(bound, tmp_path)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+
+
 def test_the_engine_imports_from_the_folders_the_test_does(tmp_path, monkeypatch):
     # the engine runs in its own work dir: a relative entry must not change meaning there
     monkeypatch.chdir(tmp_path)

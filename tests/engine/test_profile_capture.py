@@ -17,7 +17,8 @@ the API server; the engine core's busy loop inside ``EngineCore.step``
 listener (the preset's connector graph); the worker's busy loop and
 LMCache's worker-side threads. A dump is one instant: the engine core is in
 ``step`` for most of a decode step but not all of it, so the capture is
-taken again (at most three times) when it caught the loop between steps.
+taken again (at most three times, each with a request of its own) when it
+caught the loop between steps.
 
 py-spy reads other processes through ptrace: as root, or with
 ``CAP_SYS_PTRACE`` in a container (docker run --cap-add SYS_PTRACE).
@@ -70,6 +71,14 @@ class StreamedRequest:
         self.connection.close()
 
 
+def _wait_idle(url: str) -> None:
+    """Until the engine runs no request; 60 s bounds an abort that never lands, not its speed."""
+    deadline = time.monotonic() + 60
+    while _requests_running(url) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _requests_running(url) == 0, "an aborted request was still running after 60 s"
+
+
 def _dumps(out: Path) -> dict[str, str]:
     """Each dump's text by role: api-server, engine-core, worker-<title>, other-<pid>."""
     roles = {}
@@ -110,10 +119,12 @@ def test_pyspy_dumps_every_engine_process_while_it_serves(shared_prefill, tmp_pa
     server = shared_prefill.server
     model = server.spec.vllm_config.get("served-model-name", str(server.spec.model))
     assert _requests_running(server.url) == 0
-    request = StreamedRequest(server.port, model, PROMPT[:64], max_tokens=1900)
-    try:
-        request.first_token()
-        for capture in range(1, CAPTURES + 1):
+    for capture in range(1, CAPTURES + 1):
+        # A fresh request for each capture: 1,900 tokens is what the 2,048-token context
+        # leaves, and a fast engine finishes them in about the time of two captures.
+        request = StreamedRequest(server.port, model, PROMPT[:64], max_tokens=1900)
+        try:
+            request.first_token()
             out = tmp_path / f"capture-{capture}"
             started = time.monotonic()
             done = subprocess.run([sys.executable, str(REPO / "scripts/profile-capture"), "pyspy",
@@ -122,13 +133,14 @@ def test_pyspy_dumps_every_engine_process_while_it_serves(shared_prefill, tmp_pa
             seconds = time.monotonic() - started
             # Still generating after the capture: the dumps were taken while the request ran.
             running = _requests_running(server.url)
-            assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}{done.stderr}"
-            assert running == 1, f"the request was no longer running after the capture ({running})"
-            roles = _dumps(out)
-            if "EngineCore.step (vllm/v1/engine/core.py" in _main_thread(roles.get("engine-core", "")):
-                break
-    finally:
-        request.close()
+        finally:
+            request.close()
+        assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}{done.stderr}"
+        assert running == 1, f"capture {capture}: the request was no longer running after it ({running}, {seconds:.1f} s)"
+        roles = _dumps(out)
+        if "EngineCore.step (vllm/v1/engine/core.py" in _main_thread(roles.get("engine-core", "")):
+            break
+        _wait_idle(server.url)
     workers = sorted(r for r in roles if r.startswith("worker-"))
     assert {"api-server", "engine-core"} <= set(roles) and workers == ["worker-VLLM::Worker_EP0"], sorted(roles)
     assert len(done.stdout.splitlines()) == len(roles) and done.stdout.count(" ok ") == len(roles), done.stdout
@@ -149,10 +161,7 @@ def test_pyspy_dumps_every_engine_process_while_it_serves(shared_prefill, tmp_pa
     assert "LMCacheAsyncLookupServer" in worker and "(lmcache/" in worker, worker[:4000]
 
     # The aborted request leaves the engine: later users find it idle.
-    deadline = time.monotonic() + 60
-    while _requests_running(server.url) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _requests_running(server.url) == 0
+    _wait_idle(server.url)
     server.check_healthy()
     print(f"profile-capture pyspy: {len(roles)} processes ({', '.join(sorted(roles))}) in {seconds:.1f} s, "
           f"capture {capture} of at most {CAPTURES}; the worker's main thread was in: "

@@ -20,8 +20,6 @@ with the logprobs of the L1-served run.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.engine.prompts import CHUNKS, PROMPT, STORED, same_output
@@ -52,10 +50,9 @@ def test_tp2_rank_per_valkey(engines, tiny_model, tmp_path):
         spec = cpu_overlay.cpu_spec("prefill", tiny_model, base, label="prefill-tp2")
         assert "{rank}" in spec.lmcache_config["remote_url"]
         spec.vllm_config["tensor-parallel-size"] = RANKS
-        # vLLM's CPU worker binds each rank's OpenMP threads to a NUMA node of its
-        # own unless told which cores to take: one allowed core per rank here.
-        cores = sorted(os.sched_getaffinity(0))
-        spec.env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[r % len(cores)]) for r in range(RANKS))
+        # Each rank runs one unbound OpenMP thread (the harness's ENGINE_THREADS): with a
+        # core bound to each rank, a rank whose core was busy held the other at every
+        # all-reduce.
         extra = spec.lmcache_config.setdefault("extra_config", {})
         extra["save_only_first_rank"] = False
         extra["remote_enable_mla_worker_id_as0"] = False

@@ -40,6 +40,13 @@ from tests.support.ports import free_loopback_port, ports_are_free
 from tests.support.valkey import ValkeyServer
 
 ENGINE_PYTHON_ENV = "DIST_ENGINE_PYTHON"
+# vLLM's CPU worker binds its OpenMP threads to every core of the NUMA node by default
+# (two here, OMP_PROC_BIND=true). Every engine of the suite, and of the runs beside it,
+# then pins a spinning thread team to the same two cores, and each team's barrier waits
+# on a thread the other team has descheduled. The test models are tiny: one unbound
+# thread each lets the scheduler place them. A test that binds (tests/engine/test_tp2.py)
+# sets VLLM_CPU_OMP_THREADS_BIND in its spec, which wins.
+ENGINE_THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 # The engines' TMPDIR, when set (make test sets work/tmp/engine for every phase): Inductor keeps
 # its precompiled C++ header under the temp dir whatever TORCHINDUCTOR_CACHE_DIR says, so engines
 # of runs side by side (each with a TMPDIR of its own) share what one compiled (warm_compile_cache).
@@ -349,6 +356,7 @@ def engine_env(spec: EngineSpec, workdir: Path) -> dict[str, str]:
     env.update(PYTHONUNBUFFERED="1", PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                LMCACHE_TRACK_USAGE="false")
+    env.update(ENGINE_THREADS)
     if spec.lmcache_config is not None:
         lmcache_file = workdir / f"{spec.label}-lmcache.yaml"
         lmcache_file.write_text(yaml.safe_dump(spec.lmcache_config, sort_keys=False))
