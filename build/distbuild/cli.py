@@ -25,6 +25,9 @@ from .series import check_headers, load_series
 from .style import style_problems
 from .upstream_style import isort_problems
 
+# tests/flashinfer/nvcc_cache.py reads it; an empty value compiles everything afresh
+NVCC_CACHE_ENV = "DIST_NVCC_CACHE"
+
 
 def _client() -> IndexClient:
     return IndexClient(IndexConfig.from_pip())
@@ -401,9 +404,11 @@ def cmd_test(args: argparse.Namespace, layout: Layout) -> int:
     setup = _forward_picks_setup(layout, python)
     forward = None if args.no_forward else (lambda extra_env: forward_picks.run_phase(setup, extra_env))
     baseline = stress.keep_idle_baseline(layout.work) if args.hog else None
+    nvcc_outputs = os.environ.get(NVCC_CACHE_ENV, str(layout.nvcc_outputs))
     with stress.busy_loops(args.hog):
         returncode = testrun.run_all(layout.repo, layout.work, python, envs, layout.tree("lmcache"), args.pytest_args,
-                                     extra_env={"DIST_CUDA_HOME": str(cuda), "DIST_REQUIRE_VLLM_WHEEL": "1"},
+                                     extra_env={"DIST_CUDA_HOME": str(cuda), "DIST_REQUIRE_VLLM_WHEEL": "1",
+                                                NVCC_CACHE_ENV: nvcc_outputs},
                                      paths=args.paths, peer=not args.no_peer, leave_one_out=leave_one_out,
                                      engine=not args.no_engine,
                                      peer_store=peerstore.PeerStore(layout.peer_results), forward=forward)

@@ -2,8 +2,9 @@
 
 Inputs live in the repository (``build/pins.toml``, ``patches/``); every output
 goes under one work folder (``work/`` by default, ``DIST_WORK`` or ``--work``
-to move it). ``DIST_CACHE_DIR``, when set, holds the verified downloads and the
-tree-hash-keyed wheels instead, so clean checkouts on one machine share them.
+to move it). ``DIST_CACHE_DIR``, when set, holds the verified downloads, the
+tree-hash-keyed wheels, phase 4's kept results and the kept nvcc outputs
+instead, so clean checkouts on one machine share them.
 """
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ class Layout:
     def peer_results(self) -> Path:
         """Phase 4's kept results, by the key of what they depend on (host/peerstore.py)."""
         return self.shared_cache / "peer-results" if self.shared_cache else self.work / "peer-results"
+
+    @property
+    def nvcc_outputs(self) -> Path:
+        """The outputs of make test's nvcc compiles, by the key of their inputs (tests/flashinfer/nvcc_cache.py)."""
+        return self.shared_cache / "nvcc-outputs" if self.shared_cache else self.work / "nvcc-outputs"
 
     @property
     def src(self) -> Path:

@@ -136,7 +136,8 @@ def test_pyspy_dumps_every_engine_process_while_it_serves(shared_prefill, tmp_pa
         finally:
             request.close()
         assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}{done.stderr}"
-        assert running == 1, f"capture {capture}: the request was no longer running after it ({running}, {seconds:.1f} s)"
+        assert running == 1, \
+            f"capture {capture}: the request was no longer running after it ({running}, {seconds:.1f} s)"
         roles = _dumps(out)
         if "EngineCore.step (vllm/v1/engine/core.py" in _main_thread(roles.get("engine-core", "")):
             break

@@ -36,6 +36,11 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+try:  # a package in the repository, a plain folder in a GPU bundle
+    from . import nvcc_cache
+except ImportError:
+    import nvcc_cache  # type: ignore[no-redef]
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 STAND_INS = HERE / "harness" / "include"
@@ -370,14 +375,25 @@ def include_flags(sources: Sources, cuda: Path) -> list[str]:
 
 
 def nvcc(cuda: Path, args: list[str], log: Path, timeout: int = 600) -> str:
-    """Run nvcc; return its output; raise BuildError with the output on failure."""
+    """Run nvcc; return its output; raise BuildError with the output on failure.
+
+    With ``DIST_NVCC_CACHE`` set, a compile whose inputs are byte for byte those of a
+    kept one takes its outputs instead of running (nvcc_cache); the log says so.
+    """
     cmd = [str(cuda / "bin" / "nvcc"), *args]
     env = dict(os.environ, PATH=f"{cuda / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    store, outputs = nvcc_cache.cache_dir(), nvcc_cache.outputs_of(args)
+    key = nvcc_cache.compile_key(cuda / "bin" / "nvcc", args, env) if store and outputs else None
+    if key is not None and (out := nvcc_cache.lookup(store, key, outputs)) is not None:
+        log.write_text(" ".join(cmd) + "\n\n" + out)
+        return out
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     out = proc.stdout + proc.stderr
     log.write_text(" ".join(cmd) + "\n\n" + out)
     if proc.returncode != 0:
         raise BuildError(f"nvcc failed ({proc.returncode}), log {log}:\n{out[-4000:]}")
+    if key is not None:
+        nvcc_cache.keep(store, key, outputs, out)
     return out
 
 
