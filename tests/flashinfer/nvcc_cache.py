@@ -45,6 +45,7 @@ KEEP_DIR_FLAGS = ("--keep-dir", "-keep-dir")
 PREPROCESS_ONLY = ("-M", "-MM", "--generate-dependencies", "-E", "--preprocess", "--dryrun", "-dryrun")
 PATH_PREFIXES = ("-I", "-L", "-isystem", "-include")
 RESULT = "result.json"
+REUSED = "# reused: the outputs of an identical compile"
 # make test keeps about 0.3 GB per state of the kernel and harness (the keep folders hold the
 # preprocessed sources); past this, the entries used longest ago go
 MAX_BYTES = 4 << 30
@@ -204,7 +205,7 @@ def lookup(root: Path, key: str, outputs: Outputs) -> str | None:
     except (OSError, ValueError):
         return None
     os.utime(entry)  # what was used last is kept longest
-    return f"# reused: the outputs of an identical compile ({CACHE_ENV} {root}, key {key[:16]}, " \
+    return f"{REUSED} ({CACHE_ENV} {root}, key {key[:16]}, " \
            f"compiled {result['compiled']})\n" + result["log"]
 
 

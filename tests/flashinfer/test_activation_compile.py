@@ -50,6 +50,7 @@ import pytest
 
 from tests.flashinfer import activation_build as ab
 from tests.flashinfer import ptx_load_depth
+from tests.flashinfer.nvcc_cache import REUSED
 
 ARCHS = ("sm_103a", "sm_100a", "sm_90a")
 DTYPES = ("float_e4m3_t", "bfloat16_t", "half_t")
@@ -94,7 +95,8 @@ def _compile(cuda, flags, sources, src: Path, arch: str, out: Path) -> tuple[tup
     stats = {name: s for name, s in ab.ptxas_stats(log).items() if "10activation" in name}
     if not stats:
         pytest.fail(f"{tag}: ptxas -v reported no activation kernels; see {out / (tag + '.log')}")
-    return (sources.name, arch), {"stats": stats, "ptx": ab.ptx_functions((keep / f"{src.stem}.ptx").read_text())}
+    return (sources.name, arch), {"stats": stats, "ptx": ab.ptx_functions((keep / f"{src.stem}.ptx").read_text()),
+                                  "reused": log.startswith(REUSED)}
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +158,10 @@ def test_report(builds, capsys):
     """Writes ptxas_report.json and prints registers/smem per instantiation."""
     assert builds["report_path"].is_file()
     with capsys.disabled():
-        print(f"\nptxas -v, activation kernels (report: {builds['report_path']}):\n{_table(builds)}")
+        compiles = [b for k, b in builds.items() if isinstance(k, tuple) and len(k) == 2]
+        reused = sum(b["reused"] for b in compiles)
+        print(f"\nptxas -v, activation kernels (report: {builds['report_path']}; {len(compiles)} compiles, "
+              f"{reused} reused from identical inputs, nvcc_cache.py):\n{_table(builds)}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
