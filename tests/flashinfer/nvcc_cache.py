@@ -5,8 +5,10 @@ translation units, the GPU harness's three pairs of libraries) and spends most o
 phase 1's single-core time there, on inputs that change only when the kernel, the
 harness or the toolchain does. This keeps each compile's outputs under a key of:
 
-* the compilers: ``nvcc --version`` and the host compiler's ``--version`` (nvcc runs
-  it for every compile, device-only ones included, to preprocess);
+* the toolchain: every file of nvcc's home (its drivers, ``cicc``, ``ptxas``,
+  libdevice, headers and libraries), the host compiler's and the linker's
+  ``--version`` and every header of the host compiler's search folders (nvcc runs it
+  for every compile, device-only ones included, to preprocess);
 * every argument, where a file stands for its bytes and a directory (an include or
   library root) for the bytes and names of every file below it, so the key does not
   depend on where a tree or a temp folder lies;
@@ -176,6 +178,21 @@ def _version(command: tuple[str, ...]) -> str:
     return done.stdout + done.stderr
 
 
+@lru_cache(maxsize=None)
+def _host_headers(compiler: str) -> tuple[str, ...]:
+    """Digests of the host compiler's header search folders (``-v`` lists them)."""
+    try:
+        done = subprocess.run([compiler, "-E", "-x", "c++", "-v", "-"], input="", capture_output=True,
+                              text=True, timeout=60)
+    except OSError as exc:
+        return (f"unavailable: {exc}",)
+    listed = done.stderr.split("search starts here:")[-1].split("End of search list.")[0]
+    folders = sorted({Path(line.strip()).resolve() for line in listed.splitlines()
+                      if line.startswith(" ") and Path(line.strip()).is_dir()})
+    outermost = [f for f in folders if not any(o != f and o in f.parents for o in folders)]
+    return tuple(f"{f.name}:{tree_digest(f)}" for f in outermost)
+
+
 def _host_compiler(args: list[str], env: dict[str, str]) -> str:
     for flag in ("-ccbin", "--compiler-bindir"):
         if flag in args:
@@ -184,9 +201,10 @@ def _host_compiler(args: list[str], env: dict[str, str]) -> str:
 
 
 def compile_key(nvcc: Path, args: list[str], env: dict[str, str]) -> str:
+    host = _host_compiler(args, env)
     parts = {
-        "nvcc": _version((str(nvcc), "--version")),
-        "host": _version((_host_compiler(args, env), "--version")),
+        "nvcc": tree_digest(nvcc.resolve().parents[1]),
+        "host": [_version((host, "--version")), _version(("ld", "--version")), *_host_headers(host)],
         "args": _argument_tokens(args),
         "beside": _neighbour_headers(args),
         "env": {name: env.get(name, "") for name in ENV_FLAGS},
