@@ -129,12 +129,13 @@ def test_scaling_block_lanes_share_one_row_and_block(num_rows, width, dtype, gri
     threads_per_sf = NUM_ELTS_PER_SF // elts_per_thread(dtype, variant)
     group = (warp * 1000 + iteration) * 1000 + chunk * 100 + lane // threads_per_sf
     block = row * (width // NUM_ELTS_PER_SF) + hidden // NUM_ELTS_PER_SF
-    for g in np.unique(group):
-        sel = group == g
-        assert sel.sum() == threads_per_sf, "a lane group with vectors of no row"
-        assert len(np.unique(block[sel])) == 1, "a butterfly max would mix two scaling blocks"
+    groups, members = np.unique(group, return_counts=True)
+    assert (members == threads_per_sf).all(), "a lane group with vectors of no row"
+    # one block per lane group: as many distinct (group, block) pairs as groups
+    assert len(np.unique(np.stack([group, block]), axis=1).T) == len(groups), \
+        "a butterfly max would mix two scaling blocks"
     # and each block is exactly one lane group
-    assert len(np.unique(block)) == len(np.unique(group))
+    assert len(np.unique(block)) == len(groups)
 
 
 def max_num_ctas_in_batch_dim(num_tokens: int, top_k: int, num_experts: int, tile: int) -> int:

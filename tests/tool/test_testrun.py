@@ -185,6 +185,51 @@ def test_runs_beside_phase_1_wait_for_a_slot_and_all_go_once_the_slots_widen():
         assert (first.result(30), second.result(30)) == (0, 1)
 
 
+def test_slots_go_to_the_runs_in_the_order_they_asked():
+    """Five runs wait for one slot; each, once started, records itself and frees the slot. They
+    must start in the order submitted (a Condition wakes waiters in no set order)."""
+    import concurrent.futures
+    import threading
+
+    slots = testrun.Slots(1)
+    hold = threading.Event()
+    order: list[int] = []
+
+    def run(number: int) -> None:
+        order.append(number)
+        if number == 0:
+            assert hold.wait(30), "the test's own release never came"
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
+        slotted = testrun.SlottedPool(pool, slots)
+        futures = [slotted.submit(run, 0)]
+        for number in range(1, 6):
+            futures.append(slotted.submit(run, number))
+            while len(slots._waiting) < number:  # queued before the next one is submitted
+                threading.Event().wait(0.01)
+        hold.set()
+        for future in futures:
+            future.result(30)
+    assert order == [0, 1, 2, 3, 4, 5]
+
+
+def test_variants_with_engine_proofs_and_more_proof_files_are_submitted_first(tmp_path):
+    from build.distbuild.host import leaveout
+
+    def variant(patch: str) -> leaveout.LeftOut:
+        return leaveout.LeftOut(patch=patch, tree_hash="0" * 40, dependents=(), changed=())
+
+    variants = [variant(p) for p in ("0001-a.patch", "0002-b.patch", "0003-c.patch", "0004-d.patch")]
+    proof_files = {"0001-a.patch": ["tests/lmcache/test_a.py"],
+                   "0002-b.patch": ["tests/lmcache/test_b.py", "tests/engine/test_b.py"],
+                   "0003-c.patch": ["tests/lmcache/test_c.py", "tests/lmcache/test_c2.py"],
+                   "0004-d.patch": ["tests/lmcache/test_d.py"]}
+    phase = testrun.LeaveOneOut(tmp_path, tmp_path, tmp_path / "python", ["tests"], [], {}, proof_files,
+                                variants, [])
+    assert [(number, v.patch) for number, v in phase.heaviest_first()] == [
+        (2, "0002-b.patch"), (3, "0003-c.patch"), (1, "0001-a.patch"), (4, "0004-d.patch")]
+
+
 def test_lines_beside_phase_1_are_held_until_it_ends_then_printed_in_order(capsys):
     lines = testrun.HeldLines()
     lines.say("variant 1: failed for its stated reason")
