@@ -1,6 +1,6 @@
 """Outputs of nvcc compiles kept by the content of everything the compile reads.
 
-``make test`` compiles the activation kernels eleven times (the compile check's six
+``make test`` compiles the activation kernels twelve times (the compile check's six
 translation units, the GPU harness's three pairs of libraries) and spends most of
 phase 1's single-core time there, on inputs that change only when the kernel, the
 harness or the toolchain does. This keeps each compile's outputs under a key of:
