@@ -84,11 +84,8 @@ def outputs_of(args: list[str]) -> Outputs | None:
 
 @lru_cache(maxsize=None)
 def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def file_digest(path: Path) -> str:
